@@ -1,0 +1,237 @@
+"""Typed configuration: dataclass schemas composed by Hydra from `conf/`.
+
+Every recipe calls `load_config(overrides)`. The YAML files in `conf/` are
+checked against these dataclasses, so a typo or a wrong type stops the run
+with one line (`ConfigError`) instead of being carried silently into training.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+
+
+class ConfigError(ValueError):
+    """A user-facing configuration problem; the message names the fix."""
+
+
+@dataclass(unsafe_hash=True)  # hashable: the model keeps it as a static (jit-time) field
+class ModelConfig:
+    d_model: int = 256
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int = 4
+    d_ff: int = 768
+    vocab_size: int = 4096
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    # none | layer (recompute each block in backward) | selective (keep matmul outputs)
+    remat: str = "none"
+    # float32 | bfloat16: the dtype matmuls run in; parameters stay float32.
+    compute_dtype: str = "float32"
+    init_std: float = 0.02
+
+
+@dataclass
+class SourceConfig:
+    """One data source of a mixture."""
+
+    name: str = "stdlib"
+    # "stdlib" builds the embedded corpus; otherwise a folder made by recipes.prepare_data.
+    path: str = "stdlib"
+    weight: float = 1.0
+
+
+@dataclass
+class DataConfig:
+    seq_len: int = 256
+    # Where prepared corpora are cached (tokenizer, shards, manifest).
+    cache_dir: str = "${oc.env:JAXPRETRAIN_CACHE,${oc.env:HOME}/.cache/jaxpretrain}"
+    sources: list[SourceConfig] = field(default_factory=lambda: [SourceConfig()])
+    # Embedded-corpus knobs: cap its size so the quickstart stays quick.
+    stdlib_max_bytes: int = 6_000_000
+    # Percent of files (chosen by a hash of their path) held out for validation.
+    val_percent: int = 5
+    shard_sequences: int = 8192
+    shuffle_seed: int = 0
+    prefetch: int = 4
+    read_threads: int = 2
+    # Mask attention across documents packed into one sequence.
+    document_mask: bool = False
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 20
+    # cosine | linear | constant (after warmup)
+    schedule: str = "cosine"
+    weight_decay: float = 0.1
+    decay_embeddings: bool = False
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    clip_norm: float = 1.0
+    # Micro-batches per optimizer step (gradient accumulation).
+    accum_steps: int = 1
+    z_loss: float = 0.0
+
+
+@dataclass
+class ParallelConfig:
+    name: str = "single"
+
+
+@dataclass
+class TrainerConfig:
+    steps: int = 200
+    # Global batch in sequences per optimizer step (all micro-batches, all devices).
+    batch_size: int = 16
+    seed: int = 0
+    log_every: int = 10
+    eval_every: int = 50
+    eval_batches: int = 4
+    ckpt_every: int = 100
+    keep_last: int = 2
+    keep_every: int = 0
+    async_checkpoint: bool = True
+    # Peak FLOP/s for MFU on hardware not in the table (CPU): 0 = measure a matmul.
+    peak_flops: float = 0.0
+    progress: bool = True
+
+
+@dataclass
+class LoggerConfig:
+    # offline | online | disabled
+    wandb: str = "offline"
+    project: str = "jaxpretrain"
+    name: str = ""
+
+
+@dataclass
+class Config:
+    run_dir: str = "runs/${exp_name}"
+    exp_name: str = "default"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+
+
+_GROUP_SCHEMAS = {
+    "model": ModelConfig,
+    "data": DataConfig,
+    "optim": OptimConfig,
+    "parallel": ParallelConfig,
+    "trainer": TrainerConfig,
+    "logger": LoggerConfig,
+}
+
+
+def _register_schemas() -> None:
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    cs.store(name="schema", node=Config)
+    for group, schema in _GROUP_SCHEMAS.items():
+        cs.store(group=group, name="schema", node=schema)
+
+
+def _check_known_keys(node: Any, schema: type, where: str) -> None:
+    """Reject keys the schema does not have (`+key=value` slips past Hydra's own check)."""
+    names = {f.name: f for f in dataclasses.fields(schema)}
+    for key in node.keys():
+        if key not in names:
+            hint = ", ".join(sorted(names))
+            raise ConfigError(f"unknown config key '{where}{key}'; valid keys here: {hint}")
+        sub = names[key].type
+        sub_schema = _GROUP_SCHEMAS.get(key) if where == "" else None
+        if sub_schema is None and isinstance(sub, type) and dataclasses.is_dataclass(sub):
+            sub_schema = sub
+        if sub_schema is not None and isinstance(node[key], DictConfig):
+            _check_known_keys(node[key], sub_schema, f"{where}{key}.")
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
+
+
+def load_config(overrides: list[str] | None = None, config_name: str = "config") -> Config:
+    """Compose `conf/<config_name>.yaml` with Hydra overrides into a typed `Config`."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    _register_schemas()
+    overrides = list(overrides or [])
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            raw = compose(config_name=config_name, overrides=overrides)
+        raw = OmegaConf.masked_copy(raw, [k for k in raw.keys() if k != "hydra"])
+        _check_known_keys(raw, Config, "")
+        merged = OmegaConf.merge(OmegaConf.structured(Config), raw)
+        cfg: Config = OmegaConf.to_object(merged)  # type: ignore[assignment]
+    except ConfigError:
+        raise
+    except (HydraException, OmegaConfBaseException, ValueError) as exc:
+        raise ConfigError(f"bad configuration: {_first_line(exc)} (check the override's spelling and type)") from exc
+    finally:
+        GlobalHydra.instance().clear()
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: Config) -> None:
+    """Cross-field checks that a schema cannot express."""
+    m, d, t, o = cfg.model, cfg.data, cfg.trainer, cfg.optim
+    if d.seq_len < 2:
+        raise ConfigError(f"data.seq_len={d.seq_len} is too short: next-token loss needs at least 2 tokens; set data.seq_len>=2")
+    if m.n_heads % m.n_kv_heads:
+        raise ConfigError(f"model.n_heads={m.n_heads} is not a multiple of model.n_kv_heads={m.n_kv_heads}; pick n_kv_heads dividing n_heads")
+    if m.d_model % m.n_heads or (m.d_model // m.n_heads) % 2:
+        raise ConfigError(f"model.d_model={m.d_model} must split into n_heads={m.n_heads} heads of even size (RoPE rotates pairs)")
+    if m.remat not in ("none", "layer", "selective"):
+        raise ConfigError(f"model.remat={m.remat!r}: choose none, layer or selective")
+    if m.compute_dtype not in ("float32", "bfloat16"):
+        raise ConfigError(f"model.compute_dtype={m.compute_dtype!r}: choose float32 or bfloat16")
+    if o.schedule not in ("cosine", "linear", "constant"):
+        raise ConfigError(f"optim.schedule={o.schedule!r}: choose cosine, linear or constant")
+    if o.accum_steps < 1 or t.batch_size % o.accum_steps:
+        raise ConfigError(
+            f"trainer.batch_size={t.batch_size} is not divisible by optim.accum_steps={o.accum_steps}; "
+            "make the batch a multiple of the accumulation steps"
+        )
+    if cfg.logger.wandb not in ("offline", "online", "disabled"):
+        raise ConfigError(f"logger.wandb={cfg.logger.wandb!r}: choose offline, online or disabled")
+    if not d.sources:
+        raise ConfigError("data.sources is empty; give at least one source (path=stdlib or a prepared folder)")
+
+
+def to_yaml(cfg: Config) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def from_dict(data: dict) -> Config:
+    """Rebuild a typed Config from `to_dict` output (e.g. the copy stored in a checkpoint)."""
+    merged = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.create(data))
+    return OmegaConf.to_object(merged)  # type: ignore[return-value]
+
+
+__all__ = ["Config", "ConfigError", "load_config", "to_yaml", "to_dict", "from_dict", "MISSING"]

@@ -1,0 +1,22 @@
+"""One place that turns user-facing errors into a one-line message and a non-zero exit."""
+
+from __future__ import annotations
+
+import sys
+from typing import Callable
+
+from lib.checkpoint import CheckpointError
+from lib.config import ConfigError
+from lib.corpus import DataError
+
+USER_ERRORS = (ConfigError, DataError, CheckpointError)
+
+
+def run_cli(body: Callable[[], object]) -> int:
+    """Run a recipe; a user error prints `error: ...` (one line) and exits with status 2."""
+    try:
+        body()
+    except USER_ERRORS as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,56 @@
+"""Losses: next-token cross-entropy over valid tokens, z-loss, perplexity, MSE.
+
+The cross-entropy returns a *sum* and a *count*, not a mean: the train step
+divides by the number of valid tokens in the whole optimizer step (all
+micro-batches, all devices), so padding never dilutes the loss and
+accumulated micro-batches weigh exactly as one big batch would.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int
+
+
+def token_nll(logits: Float[Array, "... v"], targets: Int[Array, "..."]) -> Float[Array, "..."]:
+    """-ln p(target) per position, from a fused log-softmax (logsumexp - logit), in fp32."""
+    logits = logits.astype(jnp.float32)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    return lse - target_logit
+
+
+def shift_for_next_token(tokens: Int[Array, "b t"], mask: Bool[Array, "b t"]):
+    """Position i predicts token i+1: targets are tokens[:, 1:], valid where that token is real."""
+    return tokens[:, 1:], mask[:, 1:]
+
+
+def next_token_loss_sum(
+    logits: Float[Array, "b t v"],
+    tokens: Int[Array, "b t"],
+    mask: Bool[Array, "b t"],
+    z_loss: float = 0.0,
+) -> tuple[Float[Array, ""], Int[Array, ""]]:
+    """Sum of next-token NLL (plus optional z-loss) over valid targets, and their count."""
+    targets, valid = shift_for_next_token(tokens, mask)
+    logits = logits[:, :-1].astype(jnp.float32)
+    nll = token_nll(logits, targets)
+    if z_loss:
+        # z-loss keeps log Z near 0 so the softmax stays well conditioned (PaLM).
+        nll = nll + z_loss * jnp.square(jax.nn.logsumexp(logits, axis=-1))
+    nll = jnp.where(valid, nll, 0.0)  # where, not multiply: 0 * inf would be nan
+    return nll.sum(), valid.sum()
+
+
+def valid_token_mean(logits, tokens, mask, z_loss: float = 0.0):
+    total, count = next_token_loss_sum(logits, tokens, mask, z_loss)
+    return total / jnp.maximum(count, 1)
+
+
+def perplexity(mean_nll):
+    return jnp.exp(mean_nll)
+
+
+def mse(pred, target):
+    return jnp.mean(jnp.square(pred - target))

@@ -1,0 +1,213 @@
+"""A LLaMA-family decoder as an Equinox PyTree.
+
+Written for one device: nothing here knows about meshes or sharding
+(`lib/sharding.py` applies those from outside by rules over the PyTree paths).
+
+Layout: weights are plain arrays stored as [in, out] so `x @ w` reads as the
+maths. The `n_layers` blocks are stored *stacked* (every block leaf has a
+leading layer axis) and run with `lax.scan`, so compile time does not grow
+with depth and a pipeline can slice the stack into stages.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from lib.config import ModelConfig
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def _normal(key, shape, std):
+    return std * jax.random.normal(key, shape, jnp.float32)
+
+
+class RMSNorm(eqx.Module):
+    weight: Float[Array, "d"]
+    eps: float = eqx.field(static=True)
+
+    def __init__(self, d: int, eps: float):
+        self.weight = jnp.ones((d,), jnp.float32)
+        self.eps = eps
+
+    def __call__(self, x):
+        # Statistics in fp32 even under a bf16 policy: a mean of squares loses too much in bf16.
+        x32 = x.astype(jnp.float32)
+        scale = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (x32 * scale * self.weight).astype(x.dtype)
+
+
+def rope_tables(positions: Int[Array, "b t"], head_dim: int, theta: float):
+    """cos/sin for rotary embeddings, rotating the two halves of each head (the HF LLaMA layout)."""
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [b, t, hd/2]
+    angles = jnp.concatenate([angles, angles], axis=-1)  # [b, t, hd]
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x: Float[Array, "b t h hd"], cos, sin):
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    cos, sin = cos[:, :, None, :], sin[:, :, None, :]
+    return (x.astype(jnp.float32) * cos + rotated.astype(jnp.float32) * sin).astype(x.dtype)
+
+
+def attention_mask(q_pos, k_pos, q_seg=None, k_seg=None, k_valid=None):
+    """Boolean [b, 1, tq, tk]: causal, within the same document, and only real keys."""
+    mask = q_pos[:, :, None] >= k_pos[:, None, :]
+    if q_seg is not None:
+        mask &= q_seg[:, :, None] == k_seg[:, None, :]
+    if k_valid is not None:
+        mask &= k_valid[:, None, :]
+    return mask[:, None]
+
+
+class Attention(eqx.Module):
+    wq: Float[Array, "d hq"]
+    wk: Float[Array, "d hk"]
+    wv: Float[Array, "d hk"]
+    wo: Float[Array, "hq d"]
+    n_heads: int = eqx.field(static=True)
+    n_kv_heads: int = eqx.field(static=True)
+
+    def __init__(self, cfg: ModelConfig, key):
+        k1, k2, k3, k4 = jax.random.split(key, 4)
+        hd = cfg.d_model // cfg.n_heads
+        std = cfg.init_std
+        self.wq = _normal(k1, (cfg.d_model, cfg.n_heads * hd), std)
+        self.wk = _normal(k2, (cfg.d_model, cfg.n_kv_heads * hd), std)
+        self.wv = _normal(k3, (cfg.d_model, cfg.n_kv_heads * hd), std)
+        # Scaled like GPT-2's residual projections so the residual stream does not grow with depth.
+        self.wo = _normal(k4, (cfg.n_heads * hd, cfg.d_model), std / (2 * cfg.n_layers) ** 0.5)
+        self.n_heads, self.n_kv_heads = cfg.n_heads, cfg.n_kv_heads
+
+    def project_qkv(self, x, cos, sin):
+        b, t, _ = x.shape
+        hd = self.wq.shape[1] // self.n_heads
+        q = (x @ self.wq.astype(x.dtype)).reshape(b, t, self.n_heads, hd)
+        k = (x @ self.wk.astype(x.dtype)).reshape(b, t, self.n_kv_heads, hd)
+        v = (x @ self.wv.astype(x.dtype)).reshape(b, t, self.n_kv_heads, hd)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def attend(self, q, k, v, mask):
+        # Grouped-query attention: dot_product_attention broadcasts the n_kv_heads over n_heads.
+        out = jax.nn.dot_product_attention(q, k, v, mask=mask)
+        b, t = out.shape[:2]
+        return out.reshape(b, t, -1) @ self.wo.astype(q.dtype)
+
+    def __call__(self, x, cos, sin, mask):
+        q, k, v = self.project_qkv(x, cos, sin)
+        return self.attend(q, k, v, mask)
+
+
+class SwiGLU(eqx.Module):
+    w_gate: Float[Array, "d f"]
+    w_up: Float[Array, "d f"]
+    w_down: Float[Array, "f d"]
+
+    def __init__(self, cfg: ModelConfig, key):
+        k1, k2, k3 = jax.random.split(key, 3)
+        self.w_gate = _normal(k1, (cfg.d_model, cfg.d_ff), cfg.init_std)
+        self.w_up = _normal(k2, (cfg.d_model, cfg.d_ff), cfg.init_std)
+        self.w_down = _normal(k3, (cfg.d_ff, cfg.d_model), cfg.init_std / (2 * cfg.n_layers) ** 0.5)
+
+    def __call__(self, x):
+        dt = x.dtype
+        return (jax.nn.silu(x @ self.w_gate.astype(dt)) * (x @ self.w_up.astype(dt))) @ self.w_down.astype(dt)
+
+
+class Block(eqx.Module):
+    attn_norm: RMSNorm
+    attn: Attention
+    mlp_norm: RMSNorm
+    mlp: SwiGLU
+
+    def __init__(self, cfg: ModelConfig, key):
+        k1, k2 = jax.random.split(key)
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn = Attention(cfg, k1)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mlp = SwiGLU(cfg, k2)
+
+    def __call__(self, x, cos, sin, mask):
+        x = x + self.attn(self.attn_norm(x), cos, sin, mask)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+_REMAT_POLICIES: dict[str, Callable | None] = {
+    "layer": None,  # save only the block's input; recompute everything inside it
+    "selective": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+class Llama(eqx.Module):
+    embed: Float[Array, "v d"]
+    blocks: Block  # stacked: every leaf has a leading [n_layers] axis
+    final_norm: RMSNorm
+    lm_head: Float[Array, "d v"] | None
+    cfg: ModelConfig = eqx.field(static=True)
+
+    def __init__(self, cfg: ModelConfig, key):
+        k_embed, k_blocks, k_head = jax.random.split(key, 3)
+        self.embed = _normal(k_embed, (cfg.vocab_size, cfg.d_model), cfg.init_std)
+        layer_keys = jax.random.split(k_blocks, cfg.n_layers)
+        self.blocks = eqx.filter_vmap(lambda k: Block(cfg, k))(layer_keys)
+        self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.lm_head = None if cfg.tie_embeddings else _normal(k_head, (cfg.d_model, cfg.vocab_size), cfg.init_std)
+        self.cfg = cfg
+
+    @property
+    def compute_dtype(self):
+        return _DTYPES[self.cfg.compute_dtype]
+
+    def embed_tokens(self, tokens: Int[Array, "b t"]):
+        return jnp.take(self.embed, tokens, axis=0).astype(self.compute_dtype)
+
+    def context(self, tokens, positions=None, segment_ids=None):
+        """What every block needs besides the residual stream: RoPE tables and the mask."""
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+        cos, sin = rope_tables(positions, self.cfg.d_model // self.cfg.n_heads, self.cfg.rope_theta)
+        mask = attention_mask(positions, positions, segment_ids, segment_ids)
+        return cos, sin, mask
+
+    def run_blocks(self, blocks: Block, x, cos, sin, mask, collect: bool = False):
+        """Apply a stack of blocks with `lax.scan`; `collect` also returns each block's output."""
+        params, static = eqx.partition(blocks, eqx.is_array)
+
+        def one_block(h, block_params):
+            h = eqx.combine(block_params, static)(h, cos, sin, mask)
+            return h, (h if collect else None)
+
+        if self.cfg.remat != "none":
+            one_block = jax.checkpoint(one_block, policy=_REMAT_POLICIES[self.cfg.remat])
+        return jax.lax.scan(one_block, x, params)
+
+    def head_weight(self):
+        return self.embed.T if self.lm_head is None else self.lm_head
+
+    def hidden(self, tokens, positions=None, segment_ids=None, collect: bool = False):
+        """Final normalised hidden states [b, t, d] (before the LM head)."""
+        cos, sin, mask = self.context(tokens, positions, segment_ids)
+        x, per_layer = self.run_blocks(self.blocks, self.embed_tokens(tokens), cos, sin, mask, collect)
+        out = self.final_norm(x)
+        return (out, per_layer) if collect else out
+
+    def __call__(self, tokens, positions=None, segment_ids=None):
+        """Logits [b, t, vocab] in fp32 (the softmax and loss want full precision)."""
+        h = self.hidden(tokens, positions, segment_ids)
+        return (h @ self.head_weight().astype(h.dtype)).astype(jnp.float32)
+
+
+def count_params(model: Llama, include_embeddings: bool = True) -> int:
+    n = sum(x.size for x in jax.tree.leaves(eqx.filter(model, eqx.is_array)))
+    if not include_embeddings:
+        n -= model.embed.size
+        if model.lm_head is not None:
+            n -= model.lm_head.size
+    return int(n)
