@@ -78,7 +78,7 @@ def make_train_step(
     def train_step(state: TrainState, batch: Batch):
         (loss, grads), valid = accumulated_grads(state.model, batch, accum_steps, z_loss)
         # Clipping happens inside the optimizer chain, after accumulation; this is the pre-clip norm.
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.model)
         model = eqx.apply_updates(state.model, updates)
         new_state = TrainState(step=state.step + 1, model=model, opt_state=opt_state, rng=jax.random.split(state.rng)[0])
