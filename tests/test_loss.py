@@ -3,7 +3,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lib.loss import mse, next_token_loss_sum, perplexity, token_nll, valid_token_mean
+from lib.loss import chunked_next_token_loss_sum, mse, next_token_loss_sum, perplexity, token_nll, valid_token_mean
 
 
 def logits_for_probs(probs):
@@ -58,3 +58,23 @@ def test_z_loss_adds_squared_log_partition():
 def test_perplexity_and_mse():
     assert float(perplexity(jnp.log(50.0))) == pytest.approx(50.0, rel=1e-5)
     assert float(mse(jnp.array([1.0, 3.0]), jnp.array([0.0, 0.0]))) == pytest.approx(5.0)
+
+
+@pytest.mark.parametrize("chunk", [5, 16, 64])
+def test_chunked_loss_equals_plain_loss_in_value_and_gradient(chunk):
+    k1, k2, k3 = jax.random.split(jax.random.PRNGKey(0), 3)
+    hidden = jax.random.normal(k1, (3, 9, 8))
+    head = jax.random.normal(k2, (8, 30))
+    tokens = jax.random.randint(k3, (3, 9), 0, 30)
+    mask = jnp.arange(9)[None] < jnp.array([[9], [4], [7]])
+
+    def plain(h, w):
+        return next_token_loss_sum(h @ w, tokens, mask, 1e-3)[0]
+
+    def chunked(h, w):
+        return chunked_next_token_loss_sum(h, w, tokens, mask, chunk, 1e-3)[0]
+
+    assert float(chunked(hidden, head)) == pytest.approx(float(plain(hidden, head)), rel=1e-6)
+    for a, b in zip(jax.grad(chunked, (0, 1))(hidden, head), jax.grad(plain, (0, 1))(hidden, head)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert int(chunked_next_token_loss_sum(hidden, head, tokens, mask, chunk)[1]) == int(mask[:, 1:].sum())

@@ -72,3 +72,16 @@ def test_bfloat16_policy_keeps_fp32_params_and_logits():
     assert out.dtype == jnp.float32
     ref = Llama(CFG, jax.random.PRNGKey(0))(tokens())
     assert float(jnp.max(jnp.abs(out - ref))) < 0.05  # bf16 matmuls: close, not equal
+
+
+def test_chunked_logits_give_the_same_model_loss_and_gradients():
+    from lib.train_state import model_loss_sum
+
+    t = tokens()
+    batch = {"tokens": t, "mask": jnp.ones_like(t, bool)}
+    plain = Llama(CFG, jax.random.PRNGKey(0))
+    chunked = Llama(dataclasses.replace(CFG, logits_chunk=7), jax.random.PRNGKey(0))
+    loss = lambda m: model_loss_sum(m, batch, 0.0)[0]
+    assert float(loss(chunked)) == pytest.approx(float(loss(plain)), rel=1e-6)
+    for a, b in zip(jax.tree.leaves(jax.grad(loss)(chunked)), jax.tree.leaves(jax.grad(loss)(plain))):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
