@@ -54,8 +54,8 @@ class SourceConfig:
 @dataclass
 class DataConfig:
     seq_len: int = 256
-    # Where prepared corpora are cached (tokenizer, shards, manifest).
-    cache_dir: str = "${oc.env:JAXPRETRAIN_CACHE,${oc.env:HOME}/.cache/jaxpretrain}"
+    # Where the built-in corpus is cached; "" = $JAXPRETRAIN_CACHE or ~/.cache/jaxpretrain.
+    cache_dir: str = ""
     sources: list[SourceConfig] = field(default_factory=lambda: [SourceConfig()])
     # Embedded-corpus knobs: cap its size so the quickstart stays quick.
     stdlib_max_bytes: int = 6_000_000
