@@ -159,6 +159,7 @@ def train(cfg: Config) -> dict:
         if verdict.rollback:
             state, data_state, step = guard.roll_back(verdict.rollback, step, manager, state, to_dict(cfg)["model"])
             data_iter = open_batches(guard.quarantined(), data_state)
+            save(step)  # the restored checkpoint again, now with the quarantine and rollback count it runs with
             bar.reset(total=cfg.trainer.steps)
             bar.update(step)
             t_prev = time.perf_counter()

@@ -22,7 +22,7 @@ def replay(bundle: str) -> dict:
         print(f"step {row['step']}: loss {row['loss']:.6g} grad_norm {row['grad_norm']:.6g} "
               f"{'SKIPPED (' + REASONS[int(row.get('skip_reason', 0))] + ')' if row.get('skipped') else ''}")
     last, recorded = rows[-1], inputs.recorded or {}
-    result = {"step": inputs.target_step, "recorded": recorded, "replayed": {k: last[k] for k in recorded}, "reproduced": same_outcome(recorded, last)}
+    result = {"step": inputs.target_step, "recorded": recorded, "replayed": {k: last[k] for k in recorded}, "reproduced": bool(same_outcome(recorded, last))}
     print(json.dumps(result))
     return result
 
