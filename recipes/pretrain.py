@@ -96,16 +96,19 @@ def train(cfg: Config) -> dict:
         async_save=cfg.trainer.async_checkpoint, keep_good=2 if cfg.guard.enabled else 0,
         temporary_path_class=stalled_commit_path(cfg.guard.fault.save_stall_s) if cfg.guard.fault.save_stall_s > 0 else None,
     )
-    start = 0
+    start, meta = 0, {}
     latest = manager.latest_step()
     if latest is not None:
         state, data_state, meta = ckpt.restore(manager, latest, state, to_dict(cfg)["model"])
-        guard.resume(meta.get("guard"))
-        data_iter = open_batches(guard.quarantined(), data_state)
         start = int(meta.get("step", state.step))  # the loop position; state.step counts applied updates only
         if is_main:
-            keep_metrics_up_to(run_dir, start)
             print(f"resumed from {manager.directory}/{latest} (step {start})", file=sys.stderr)
+    # Rows a killed run logged past its last checkpoint (or before its first) are dropped: each step appears once.
+    guard.resume(meta.get("guard"))
+    if latest is not None:
+        data_iter = open_batches(guard.quarantined(), data_state)
+    if is_main:
+        keep_metrics_up_to(run_dir, start)
 
     train_step = make_train_step(optimizer, schedule, cfg.optim.accum_steps, cfg.optim.z_loss, step_guard)
     eval_step = make_eval_step()
