@@ -147,9 +147,11 @@ class GuardConfig:
     window: int = 100
     # ...used for spike detection once `warmup` steps are in it.
     warmup: int = 50
-    # A spike: value > mean + max(sigma * std, min_rel_jump * mean).
+    # A spike: value > mean + max(sigma * std, min_rel_jump * mean). Gradient norms are heavy-tailed
+    # (a clean tiny run reaches 2.2x its mean), so a grad-norm spike must also at least double it.
     sigma: float = 6.0
-    min_rel_jump: float = 0.1
+    loss_min_rel_jump: float = 0.1
+    grad_norm_min_rel_jump: float = 1.0
     # Roll back when `rollback_skips` steps are skipped within `rollback_window` steps, when weights turn
     # non-finite, or when the loss stays above (1 + diverge_ratio) x its pre-anomaly mean for diverge_patience steps.
     rollback_skips: int = 3

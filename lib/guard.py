@@ -93,10 +93,15 @@ class StepGuard:
         loss_mean, loss_std = rolling_mean_std(stats.losses, stats.accepted)
         gn_mean, gn_std = rolling_mean_std(stats.grad_norms, stats.accepted)
 
-        def spike(value, mean, std):
-            return warm & (value > mean + jnp.maximum(cfg.sigma * std, cfg.min_rel_jump * jnp.abs(mean)))
+        def spike(value, mean, std, min_rel_jump):
+            return warm & (value > mean + jnp.maximum(cfg.sigma * std, min_rel_jump * jnp.abs(mean)))
 
-        checks = [~jnp.isfinite(loss), ~jnp.isfinite(grad_norm), spike(loss, loss_mean, loss_std), spike(grad_norm, gn_mean, gn_std)]
+        checks = [
+            ~jnp.isfinite(loss),
+            ~jnp.isfinite(grad_norm),
+            spike(loss, loss_mean, loss_std, cfg.loss_min_rel_jump),
+            spike(grad_norm, gn_mean, gn_std, cfg.grad_norm_min_rel_jump),
+        ]
         code = jnp.zeros((), jnp.int32)
         for i, bad in reversed(list(enumerate(checks, start=1))):  # reversed: the first reason that applies wins
             code = jnp.where(bad, i, code)

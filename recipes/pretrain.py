@@ -139,7 +139,7 @@ def train(cfg: Config) -> dict:
         step += 1  # `step` counts batches from 1 (a rollback sets it back)
         batch = guard.faults.corrupt_batch(next(data_iter))
         state, metrics = train_step(state, device_batch(batch))
-        metrics = {k: float(v) for k, v in metrics.items()}  # waits for the step: honest step time
+        metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}  # one transfer; waits for the step: honest step time
         if guard.faults.poison_due(step, guard.monitor.rollbacks):
             state = guard.faults.poison(state, step)
         now = time.perf_counter()

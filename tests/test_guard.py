@@ -35,7 +35,7 @@ from tests.conftest import ROOT, smoke_overrides
 
 # Short statistics window so spike detection is live after 10 steps; a spike must be 3x the mean, so the
 # tiny model's natural grad-norm jitter never trips it (the injected faults are 100x).
-GUARD = ["guard.window=10", "guard.warmup=10", "guard.min_rel_jump=2.0", "guard.rollback_window=5"]
+GUARD = ["guard.window=10", "guard.warmup=10", "guard.loss_min_rel_jump=2.0", "guard.grad_norm_min_rel_jump=2.0", "guard.rollback_window=5"]
 RUN = ["trainer.steps=40", "trainer.ckpt_every=5", "trainer.eval_every=20", "trainer.peak_flops=1e12", *GUARD]
 
 
@@ -105,7 +105,7 @@ def test_rolling_statistics_and_the_spike_rule():
     mean, _ = rolling_mean_std(jnp.array([5.0, 1.0, 1.0]), jnp.array(7))  # ring full: every slot counts
     assert np.isclose(mean, 7 / 3)
 
-    guard = StepGuard(GuardConfig(window=4, warmup=3, sigma=3.0, min_rel_jump=0.1))
+    guard = StepGuard(GuardConfig(window=4, warmup=3, sigma=3.0, loss_min_rel_jump=0.1, grad_norm_min_rel_jump=0.1))
     stats = guard.init_stats()
     stats = stats.__class__(jnp.array([2.0, 2.1, 1.9, 0.0]), jnp.array([1.0, 1.0, 1.0, 0.0]), jnp.array(3), jnp.array(3), jnp.array(0))
     reason = lambda loss, gn: REASONS[int(guard.reason(stats, jnp.float32(loss), jnp.float32(gn)))]  # noqa: E731
@@ -261,6 +261,13 @@ def faulty_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("guard") / "faulty"
     faults = ["guard.fault.nan_grad_steps=[12]", "guard.fault.spike_steps=[22]", "guard.fault.corrupt_sample_steps=[32]"]
     return run_dir, run(run_dir, *faults)[1]
+
+
+def test_on_by_default_and_bitwise_neutral_when_nothing_goes_wrong(clean_run, tmp_path):
+    assert load_config(["+exp=smoke"]).guard.enabled
+    rows = run(tmp_path / "unguarded", "guard.enabled=false")[1]
+    assert [r["loss"] for r in step_rows(rows)] == [r["loss"] for r in step_rows(clean_run)]
+    assert "skipped" not in step_rows(rows)[0] and step_rows(clean_run)[0]["skipped"] == 0
 
 
 def test_nan_spike_and_corrupt_sample_are_skipped_quarantined_and_the_run_ends_like_a_clean_one(clean_run, faulty_run):
