@@ -145,8 +145,8 @@ def write_bundle(
     (tmp / BUNDLE_FILE).write_text(json.dumps(info, indent=1))
     (tmp / "README.txt").write_text(
         f"Step {step} failed {failures} times ({info['reason']}). This folder replays it exactly:\n\n    {command}\n\n"
-        f"It restores checkpoint/{start} (or a fresh init when 0), then runs the {step - start} stored batches of "
-        "batches.npz (tokens, mask, source, index; the last is step {step}'s).\n"
+        f"It starts from {f'checkpoint/{start}' if start else 'a fresh initialisation (no checkpoint before this step)'}, "
+        f"then runs the {step - start} stored batches of batches.npz (tokens, mask, source, index; the last is step {step}'s).\n"
         f"To see the first layer with a non-finite value: python -m recipes.debug_step bundle={final.absolute()}\n"
     )
     if final.exists():
