@@ -38,6 +38,17 @@ def global_batch_identities(batch: dict) -> list[Identity]:
     return [(int(s), int(i)) for s, i in local]
 
 
+def check_guard_matches(meta: dict, cfg: Config) -> None:
+    """The guard's statistics are part of the state: a checkpoint resumes only with the same guard.enabled/window."""
+    saved = meta.get("config", {}).get("guard", {})
+    for key in ("enabled", "window"):
+        if key in saved and saved[key] != getattr(cfg.guard, key):
+            raise ckpt.CheckpointError(
+                f"the checkpoints in {cfg.run_dir} were written with guard.{key}={saved[key]} but the config says "
+                f"guard.{key}={getattr(cfg.guard, key)}; resume with guard.{key}={saved[key]} or use a new run_dir"
+            )
+
+
 class HostGuard:
     def __init__(self, cfg: Config, run_dir: str | Path, stream: grain.MapDataset | None, emit: Callable[[dict], Any], is_main: bool = True):
         self.cfg = cfg

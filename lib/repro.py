@@ -117,8 +117,10 @@ def write_bundle(
     rollbacks: int,
     failures: int,
 ) -> Path:
-    """Write `<run_dir>/repro/step_<step>/` (see the module docstring); returns the folder."""
-    manager.wait_until_finished()
+    """Write `<run_dir>/repro/step_<step>/` (see the module docstring); returns the folder.
+
+    Call it on process 0 after `manager.wait_until_finished()` (collective, so on every process).
+    """
     start = max((s for s in manager.all_steps() if s < step), default=0)
     data_state, in_effect = None, frozenset()
     if start:

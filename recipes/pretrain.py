@@ -24,7 +24,7 @@ from lib.data import resolve_corpora, sample_stream, train_batches, val_batches
 from lib.errors import run_cli
 from lib.faults import stalled_commit_path
 from lib.guard import StepGuard
-from lib.guard_host import HostGuard
+from lib.guard_host import HostGuard, check_guard_matches
 from lib.metrics import MetricsWriter, flops_per_token, peak_flops_per_device, peak_memory_bytes, read_metrics
 from lib.model import Llama, count_params
 from lib.optim import lr_schedule, make_optimizer
@@ -99,6 +99,7 @@ def train(cfg: Config) -> dict:
     start, meta = 0, {}
     latest = manager.latest_step()
     if latest is not None:
+        check_guard_matches(ckpt.read_meta(manager, latest), cfg)
         state, data_state, meta = ckpt.restore(manager, latest, state, to_dict(cfg)["model"])
         start = int(meta.get("step", state.step))  # the loop position; state.step counts applied updates only
         if is_main:
@@ -155,6 +156,7 @@ def train(cfg: Config) -> dict:
         verdict = guard.after_step(step, metrics, batch)
         if verdict.bundle:
             guard.monitor.bundles.append(step)
+            manager.wait_until_finished()  # the bundle copies the newest checkpoint before this step
             if is_main:
                 folder = write_bundle(run_dir, cfg, manager, step, metrics, lambda q, d: open_batches(q, d, whole_batch=True),
                                       guard.quarantine.identities, guard.faults, guard.monitor.rollbacks, guard.monitor.failures[str(step)])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -301,6 +302,15 @@ def test_debug_step_names_the_first_layer_with_a_nonfinite_value(faulty_run, cap
     assert json.loads((run_dir / "debug_step_32.json").read_text())["step"] == 32
     clean = debug_step.debug_step({"run_dir": str(run_dir), "step": "31"})
     assert clean["first_nonfinite"] is None and all(r["finite"] for r in clean["rows"])
+
+
+def test_resuming_with_another_guard_setting_is_a_one_line_error(faulty_run, tmp_path, capsys):
+    copy = tmp_path / "copy"
+    shutil.copytree(faulty_run[0], copy)
+    before = {p: p.stat().st_mtime for p in (copy / "checkpoints").rglob("*")}
+    assert pretrain.main(smoke_overrides(copy, *RUN, "guard.enabled=false")) == 2
+    assert "written with guard.enabled=True" in capsys.readouterr().err
+    assert {p: p.stat().st_mtime for p in (copy / "checkpoints").rglob("*")} == before
 
 
 def test_a_bad_update_that_got_through_is_rolled_back_with_the_whole_state(clean_run, tmp_path):
