@@ -113,7 +113,7 @@ class HostGuard:
         self.in_effect = len(self.quarantine.entries)  # from now on, everything quarantined so far is left out
         self.emit({
             "step": step, "event": "rollback", "reason": reason, "to_step": target, "rollbacks": self.monitor.rollbacks,
-            "quarantined_samples": len(self.quarantined()),
+            "quarantined_samples": len(self.quarantined()), "quarantine_in_effect": self.in_effect,
             "message": f"rolled back from step {step} to good checkpoint {target} ({reason}); "
                        f"rollback {self.monitor.rollbacks}/{self.cfg.guard.max_rollbacks}",
         })

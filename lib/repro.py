@@ -33,6 +33,7 @@ from lib.config import Config, from_dict, to_dict, to_yaml
 from lib.data import resolve_corpora, sample_stream, train_batches
 from lib.faults import HostFaults
 from lib.guard import REASONS, StepGuard
+from lib.metrics import read_metrics
 from lib.model import Llama
 from lib.optim import lr_schedule, make_optimizer
 from lib.quarantine import read_quarantine
@@ -112,7 +113,7 @@ def write_bundle(
     step: int,
     metrics: dict,
     open_batches: Callable[[frozenset, dict | None], object],
-    quarantined_at: Callable[[int], frozenset],
+    quarantined: frozenset,
     faults: HostFaults,
     rollbacks: int,
     failures: int,
@@ -120,13 +121,13 @@ def write_bundle(
     """Write `<run_dir>/repro/step_<step>/` (see the module docstring); returns the folder.
 
     Call it on process 0 after `manager.wait_until_finished()` (collective, so on every process).
+    `quarantined` is what the run's data iterator leaves out now: it has read every batch since the
+    newest checkpoint before `step` with it (the iterator is only reopened at a resume or a rollback,
+    and both restart from a checkpoint at or before that one).
     """
     start = max((s for s in manager.all_steps() if s < step), default=0)
-    data_state, in_effect = None, frozenset()
-    if start:
-        data_state = read_item_json(manager.directory, start, "data")
-        in_effect = quarantined_at(ckpt.read_meta(manager, start).get("guard", {}).get("quarantine_in_effect", 0))
-    it = open_batches(in_effect, data_state)
+    data_state = read_item_json(manager.directory, start, "data") if start else None
+    it = open_batches(quarantined, data_state)
     batches = [faults.corrupt_batch(next(it)) for _ in range(step - start)]
 
     final = Path(run_dir) / "repro" / f"step_{step:08d}"
@@ -182,6 +183,23 @@ def inputs_from_bundle(bundle: str | Path) -> tuple[ReplayInputs, Training]:
     return ReplayInputs(cfg, info["start_step"], state, batches, info["rollbacks"], info["recorded"]), training
 
 
+def run_after(run_dir: Path, start: int, step: int, guard_meta: dict) -> tuple[int, int]:
+    """(quarantine entries left out, rollbacks so far) of the run's last pass from checkpoint `start` to `step`.
+
+    Normally what the checkpoint says; but when the run rolled back to `start`, it went on from there
+    with everything quarantined by then and one more rollback (the rollback row records both).
+    """
+    rows = [r for r in read_metrics(run_dir) if r.get("event") == "rollback" and r["to_step"] < step]
+    if rows and rows[-1]["to_step"] > start:
+        raise ckpt.CheckpointError(
+            f"step {step} was last run after a rollback to step {rows[-1]['to_step']}, whose checkpoint is no longer "
+            f"kept (newest before {step}: {start or 'none'}); use the run's repro bundle, or keep more checkpoints (trainer.keep_last)"
+        )
+    if rows and rows[-1]["to_step"] == start:
+        return rows[-1]["quarantine_in_effect"], rows[-1]["rollbacks"]
+    return guard_meta.get("quarantine_in_effect", 0), guard_meta.get("monitor", {}).get("rollbacks", 0)
+
+
 def inputs_from_run(run_dir: str | Path, step: int) -> tuple[ReplayInputs, Training]:
     """The run's newest checkpoint before `step` and the batches from there to `step`, as the run read them."""
     run_dir = Path(run_dir)
@@ -202,13 +220,13 @@ def inputs_from_run(run_dir: str | Path, step: int) -> tuple[ReplayInputs, Train
     weights = [s.weight for s in cfg.data.sources]
     training = build_training(cfg, sample_stream(corpora, cfg.data, weights))
     state, _ = _restore_or_fresh(training, directory, start, cfg)
-    entries = read_quarantine(run_dir / "quarantine.jsonl")[: guard_meta.get("quarantine_in_effect", 0)]
+    in_effect, rollbacks = run_after(run_dir, start, step, guard_meta)
+    entries = read_quarantine(run_dir / "quarantine.jsonl")[:in_effect]
     quarantined = frozenset((s["source_id"], s["index"]) for e in entries for s in e["samples"])
     it = iter(train_batches(corpora, cfg.data, global_batch=cfg.trainer.batch_size, vocab_size=cfg.model.vocab_size, weights=weights, quarantined=quarantined))
     if start:
         it.set_state(read_item_json(directory, start, "data"))
     batches = [training.faults.corrupt_batch(next(it)) for _ in range(step - start)]
-    rollbacks = guard_meta.get("monitor", {}).get("rollbacks", 0)
     return ReplayInputs(cfg, start, state, batches, rollbacks), training
 
 

@@ -159,12 +159,11 @@ def train(cfg: Config) -> dict:
             manager.wait_until_finished()  # the bundle copies the newest checkpoint before this step
             if is_main:
                 folder = write_bundle(run_dir, cfg, manager, step, metrics, lambda q, d: open_batches(q, d, whole_batch=True),
-                                      guard.quarantine.identities, guard.faults, guard.monitor.rollbacks, guard.monitor.failures[str(step)])
+                                      guard.quarantined(), guard.faults, guard.monitor.rollbacks, guard.monitor.failures[str(step)])
                 emit({"step": step, "event": "repro_bundle", "path": str(folder), "message": f"step {step} keeps failing: repro bundle {folder}"})
         if verdict.rollback:
             state, data_state, step = guard.roll_back(verdict.rollback, step, manager, state, to_dict(cfg)["model"])
             data_iter = open_batches(guard.quarantined(), data_state)
-            save(step)  # the restored checkpoint again, now with the quarantine and rollback count it runs with
             bar.reset(total=cfg.trainer.steps)
             bar.update(step)
             t_prev = time.perf_counter()

@@ -315,7 +315,7 @@ def test_resuming_with_another_guard_setting_is_a_one_line_error(faulty_run, tmp
 
 def test_a_bad_update_that_got_through_is_rolled_back_with_the_whole_state(clean_run, tmp_path):
     # After step 27's update the weights are poisoned: steps 28-30 spike and are skipped -> roll back to 25.
-    rows = run(tmp_path / "poisoned", "guard.fault.poison_steps=[27]")[1]
+    rows = run(tmp_path / "poisoned", "guard.fault.poison_steps=[27]", "trainer.keep_last=10")[1]
     events = [r for r in rows if r.get("event") == "rollback"]
     assert [(e["step"], e["to_step"], e["reason"]) for e in events] == [(30, 25, "repeated_skips")]
     after = step_rows(rows[rows.index(events[0]):])
@@ -325,6 +325,12 @@ def test_a_bad_update_that_got_through_is_rolled_back_with_the_whole_state(clean
     assert [(r["step"], r["loss"], r["grad_norm"], r["lr"]) for r in after[:2]] == [(s, clean[s]["loss"], clean[s]["grad_norm"], clean[s]["lr"]) for s in (26, 27)]
     assert after[-1]["step"] == 40 and after[-1]["params_finite"] == 1
     assert abs(final_loss(rows) - final_loss(clean_run)) / final_loss(clean_run) < 0.02
+    # debug_step replays the timeline the run kept (from 25, quarantine in effect, no second poisoning).
+    replayed = debug_step.debug_step({"run_dir": str(tmp_path / "poisoned"), "step": "29"})
+    assert replayed["start_step"] == 25 and replayed["outcome"]["loss"] == after[3]["loss"] and after[3]["step"] == 29
+    shutil.rmtree(tmp_path / "poisoned" / "checkpoints" / "25")
+    with pytest.raises(ckpt.CheckpointError, match="rollback to step 25"):
+        debug_step.debug_step({"run_dir": str(tmp_path / "poisoned"), "step": "29"})
 
 
 def test_a_step_that_keeps_failing_gets_a_repro_bundle_that_replays_exactly(tmp_path, capsys):
