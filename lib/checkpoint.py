@@ -44,18 +44,53 @@ def remove_incomplete_steps(directory: str | Path) -> list[str]:
     return [p.name for p in stale]
 
 
-def open_manager(directory: str | Path, *, keep_last: int, keep_every: int = 0, async_save: bool = True) -> ocp.CheckpointManager:
+def open_manager(
+    directory: str | Path,
+    *,
+    keep_last: int,
+    keep_every: int = 0,
+    async_save: bool = True,
+    keep_good: int = 0,
+    temporary_path_class: type | None = None,
+) -> ocp.CheckpointManager:
+    """`keep_good` > 0 also keeps that many newest "good" checkpoints (the rollback targets) past `keep_last`."""
     removed = remove_incomplete_steps(directory)
     if removed:
         print(f"removed incomplete checkpoint folders: {', '.join(removed)}", file=sys.stderr)
+    directory = Path(directory).absolute()
+    retention: dict = {"max_to_keep": keep_last if keep_last > 0 else None, "keep_period": keep_every if keep_every > 0 else None}
+    if keep_good > 0 and keep_last > 0:
+        policies = [ocp.checkpoint_managers.LatestN(n=keep_last), KeepNewestGood(directory, keep_good)]
+        if keep_every > 0:
+            policies.append(ocp.checkpoint_managers.EveryNSteps(keep_every))
+        retention = {"preservation_policy": ocp.checkpoint_managers.AnyPreservationPolicy(policies)}
     options = ocp.CheckpointManagerOptions(
-        max_to_keep=keep_last if keep_last > 0 else None,
-        keep_period=keep_every if keep_every > 0 else None,
+        **retention,
         enable_async_checkpointing=async_save,
         cleanup_tmp_directories=True,
         create=True,
+        temporary_path_class=temporary_path_class,
     )
-    return ocp.CheckpointManager(Path(directory).absolute(), options=options, item_names=ITEMS)
+    return ocp.CheckpointManager(directory, options=options, item_names=ITEMS)
+
+
+def is_good(directory: str | Path, step: int) -> bool:
+    """Whether checkpoint `step` was saved while no anomaly was open (meta `good`); unreadable = not good."""
+    try:
+        return bool(json.loads((Path(directory) / str(step) / "meta" / "metadata").read_text()).get("good", False))
+    except (OSError, json.JSONDecodeError):
+        return False
+
+
+class KeepNewestGood:
+    """Orbax preservation policy: keep the `n` newest good checkpoints, so a rollback always has a target."""
+
+    def __init__(self, directory: Path, n: int):
+        self.directory, self.n = directory, n
+
+    def should_preserve(self, checkpoints, *, context) -> list[bool]:
+        good = sorted((c.step for c in checkpoints if is_good(self.directory, c.step)), reverse=True)[: self.n]
+        return [c.step in good for c in checkpoints]
 
 
 def save(manager: ocp.CheckpointManager, step: int, state: Any, data_state: dict, meta: dict) -> None:

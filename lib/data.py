@@ -18,6 +18,7 @@ import numpy as np
 
 from lib.config import DataConfig
 from lib.corpus import MANIFEST, PAD_ID, DataError, load_tokenizer, stdlib_corpus
+from lib.quarantine import Identity, replace_quarantined
 
 
 def default_cache_dir() -> Path:
@@ -125,6 +126,15 @@ def mixture(datasets: list[grain.MapDataset], weights: list[float]) -> grain.Map
     return grain.MapDataset.mix(datasets, weights)
 
 
+def sample_stream(corpora: list[Corpus], cfg: DataConfig, weights: list[float] | None = None) -> grain.MapDataset:
+    """The endless training stream of single samples: position i of it is the i-th sample ever read."""
+    per_source = [
+        grain.MapDataset.source(PackedSequences(c, "train", i)).shuffle(seed=cfg.shuffle_seed).repeat(None)
+        for i, c in enumerate(corpora)
+    ]
+    return mixture(per_source, weights or [1.0] * len(corpora))
+
+
 def train_batches(
     corpora: list[Corpus],
     cfg: DataConfig,
@@ -134,19 +144,19 @@ def train_batches(
     process_index: int = 0,
     process_count: int = 1,
     weights: list[float] | None = None,
+    quarantined: frozenset[Identity] = frozenset(),
 ) -> grain.IterDataset:
-    """An endless, checkpointable iterator source of this process's share of each global batch."""
+    """An endless, checkpointable iterator source of this process's share of each global batch.
+
+    `quarantined` samples (lib/quarantine.py) are replaced by fixed substitutes, position by position.
+    """
     if global_batch % process_count:
         raise DataError(
             f"trainer.batch_size={global_batch} is not divisible by the {process_count} processes; "
             "make the batch a multiple of the process count"
         )
     local_batch = global_batch // process_count
-    per_source = [
-        grain.MapDataset.source(PackedSequences(c, "train", i)).shuffle(seed=cfg.shuffle_seed).repeat(None)
-        for i, c in enumerate(corpora)
-    ]
-    ds = mixture(per_source, weights or [1.0] * len(corpora))
+    ds = replace_quarantined(sample_stream(corpora, cfg, weights), quarantined)
     # Local batches j = s*P + p belong to process p at step s: contiguous rows of the global batch.
     ds = ds.batch(local_batch)[process_index::process_count]
     ds = ds.map(lambda rows: to_model_batch(rows, vocab_size, cfg.document_mask))

@@ -8,8 +8,9 @@ from typing import Callable
 from lib.checkpoint import CheckpointError
 from lib.config import ConfigError
 from lib.corpus import DataError
+from lib.rollback import TrainingDiverged
 
-USER_ERRORS = (ConfigError, DataError, CheckpointError)
+USER_ERRORS = (ConfigError, DataError, CheckpointError, TrainingDiverged)
 
 
 def run_cli(body: Callable[[], object]) -> int:
