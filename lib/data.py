@@ -17,6 +17,7 @@ import numpy as np
 
 from lib.config import DataConfig
 from lib.corpus import MANIFEST, PAD_ID, DataError, load_tokenizer, stdlib_corpus
+from lib.mixture import check_shared_tokenizer, mix_datasets
 
 
 @dataclass
@@ -61,6 +62,7 @@ def resolve_corpora(cfg: DataConfig, vocab_size: int) -> list[Corpus]:
         corpus = open_corpus(src.name, folder)
         check_compatible(corpus, cfg.seq_len, vocab_size)
         corpora.append(corpus)
+    check_shared_tokenizer(corpora)
     return corpora
 
 
@@ -114,12 +116,6 @@ def to_model_batch(rows: dict, vocab_size: int, document_mask: bool = False) -> 
     return batch
 
 
-def mixture(datasets: list[grain.MapDataset], weights: list[float]) -> grain.MapDataset:
-    if len(datasets) == 1:
-        return datasets[0]
-    return grain.MapDataset.mix(datasets, weights)
-
-
 def train_batches(
     corpora: list[Corpus],
     cfg: DataConfig,
@@ -141,7 +137,7 @@ def train_batches(
         grain.MapDataset.source(PackedSequences(c, "train", i)).shuffle(seed=cfg.shuffle_seed).repeat(None)
         for i, c in enumerate(corpora)
     ]
-    ds = mixture(per_source, weights or [1.0] * len(corpora))
+    ds = mix_datasets(per_source, weights or [1.0] * len(corpora))
     # Local batches j = s*P + p belong to process p at step s: contiguous rows of the global batch.
     ds = ds.batch(local_batch)[process_index::process_count]
     ds = ds.map(lambda rows: to_model_batch(rows, vocab_size, cfg.document_mask))
