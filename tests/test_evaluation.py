@@ -25,7 +25,7 @@ def put(batch):
 @pytest.fixture(scope="module")
 def uniform_model():
     """Zero LM head: every position predicts the uniform distribution, so each target costs exactly ln V."""
-    cfg = ModelConfig(d_model=32, n_layers=1, n_heads=2, n_kv_heads=2, d_ff=64, vocab_size=VOCAB)
+    cfg = ModelConfig(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, vocab_size=VOCAB)
     model = Llama(cfg, jax.random.PRNGKey(0))
     return eqx.tree_at(lambda m: m.lm_head, model, jnp.zeros_like(model.lm_head))
 
