@@ -95,9 +95,9 @@ def build_figure(runs: list[RunCurves]):
             ax = axes[row][col]
             for run, color in zip(runs, colors):
                 prefix = f"{run.name} " if len(runs) > 1 else ""
-                _series(ax, run, run.train, key, axis, color=color, lw=1.2, label=f"{prefix}train")
+                _series(ax, run, run.train, key, axis, color=color, lw=1, alpha=0.6 if key == "loss" else 1, label=f"{prefix}train")
                 if key == "loss":
-                    _series(ax, run, run.val, "val_loss", axis, color=color, ls="--", marker="o", ms=3, label=f"{prefix}val")
+                    _series(ax, run, run.val, "val_loss", axis, color=color, ls="--", lw=2, marker="o", ms=5, zorder=3, label=f"{prefix}val")
                     for i, (source, rows) in enumerate(run.val_sources.items()):
                         _series(ax, run, rows, f"val_loss/{source}", axis, color=color, ls=":", marker="s^vD"[i % 4], ms=3,
                                 label=f"{prefix}val {source}")

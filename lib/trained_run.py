@@ -50,6 +50,8 @@ def apply_overrides(saved: dict, overrides: list[str]) -> Config:
             key, sep, value = item.lstrip("+").partition("=")
             if not sep:
                 raise ConfigError(f"override '{item}' has no '='; write key=value (for example data.seq_len=128)")
+            if key == "exp":
+                raise ConfigError("a trained run keeps its own config, so +exp=... does not apply; set single keys instead (e.g. data.seq_len=...)")
             group_file = CONF_DIR / key / f"{value}.yaml"
             if "." not in key and (CONF_DIR / key).is_dir():
                 if not group_file.is_file():

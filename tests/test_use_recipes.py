@@ -70,6 +70,7 @@ def test_evaluate_errors_are_one_line(mixed_run, tmp_path, capsys):
         ([f"run_dir={run_dir}", "model.d_model=128"], "different model shape"),
         ([f"run_dir={run_dir}", "data.seq_lenn=3"], "unknown config key"),
         ([f"run_dir={run_dir}", "data=nosuch"], "no config 'nosuch' in group 'data'"),
+        ([f"run_dir={run_dir}", "+exp=smoke"], "keeps its own config"),
     ):
         assert evaluate.main(argv) == 2
         err = capsys.readouterr().err.strip()
