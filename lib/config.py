@@ -282,6 +282,12 @@ def validate(cfg: Config) -> None:
         raise ConfigError("guard.rollback_skips, rollback_window, diverge_patience and repro_after must be >= 1, max_rollbacks >= 0")
     if not d.sources:
         raise ConfigError("data.sources is empty; give at least one source (path=stdlib or a prepared folder)")
+    names = [s.name for s in d.sources]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"data.sources names {names} repeat; give each source its own name (losses are logged per name)")
+    for s in d.sources:
+        if not s.weight > 0:
+            raise ConfigError(f"data source '{s.name}' has weight {s.weight}; weights must be > 0 (drop the source instead)")
 
 
 def to_yaml(cfg: Config) -> str:

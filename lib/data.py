@@ -18,6 +18,7 @@ import numpy as np
 
 from lib.config import DataConfig
 from lib.corpus import MANIFEST, PAD_ID, DataError, load_tokenizer, stdlib_corpus
+from lib.mixture import check_shared_tokenizer, mix_datasets
 from lib.quarantine import Identity, replace_quarantined
 
 
@@ -67,6 +68,7 @@ def resolve_corpora(cfg: DataConfig, vocab_size: int) -> list[Corpus]:
         corpus = open_corpus(src.name, folder)
         check_compatible(corpus, cfg.seq_len, vocab_size)
         corpora.append(corpus)
+    check_shared_tokenizer(corpora)
     return corpora
 
 
@@ -120,19 +122,13 @@ def to_model_batch(rows: dict, vocab_size: int, document_mask: bool = False) -> 
     return batch
 
 
-def mixture(datasets: list[grain.MapDataset], weights: list[float]) -> grain.MapDataset:
-    if len(datasets) == 1:
-        return datasets[0]
-    return grain.MapDataset.mix(datasets, weights)
-
-
 def sample_stream(corpora: list[Corpus], cfg: DataConfig, weights: list[float] | None = None) -> grain.MapDataset:
     """The endless training stream of single samples: position i of it is the i-th sample ever read."""
     per_source = [
         grain.MapDataset.source(PackedSequences(c, "train", i)).shuffle(seed=cfg.shuffle_seed).repeat(None)
         for i, c in enumerate(corpora)
     ]
-    return mixture(per_source, weights or [1.0] * len(corpora))
+    return mix_datasets(per_source, weights or [1.0] * len(corpora))
 
 
 def train_batches(

@@ -10,6 +10,7 @@ data and, when bad updates got through, rolls back to the last good checkpoint.
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -22,10 +23,12 @@ from lib import checkpoint as ckpt
 from lib.config import Config, to_dict, to_yaml
 from lib.data import resolve_corpora, sample_stream, train_batches, val_batches
 from lib.errors import run_cli
+from lib.evaluation import per_source_val_losses
 from lib.faults import stalled_commit_path
 from lib.guard import StepGuard
 from lib.guard_host import HostGuard, check_guard_matches
 from lib.metrics import MetricsWriter, flops_per_token, peak_flops_per_device, peak_memory_bytes, read_metrics
+from lib.mixture import MixtureCounter
 from lib.model import Llama, count_params
 from lib.optim import lr_schedule, make_optimizer
 from lib.repro import write_bundle
@@ -74,6 +77,12 @@ def train(cfg: Config) -> dict:
 
     data_iter = open_batches(frozenset())
     val = val_batches(corpora[0], cfg.data, batch_size=cfg.trainer.batch_size, n_batches=cfg.trainer.eval_batches, vocab_size=cfg.model.vocab_size)
+    # A mixture also logs each source's held-out loss (val_loss/<name>) and the proportions drawn (mix/<name>).
+    mix = MixtureCounter([c.name for c in corpora])
+    val_sets = {c.name: val_batches(c, cfg.data, batch_size=cfg.trainer.batch_size, n_batches=cfg.trainer.eval_batches, vocab_size=cfg.model.vocab_size)
+                for c in corpora} if len(corpora) > 1 else {}
+    if is_main:  # the run keeps its tokenizer, so generation and evaluation need no data cache
+        shutil.copyfile(corpora[0].tokenizer_path, run_dir / "tokenizer.json")
 
     # Model, optimizer and the state that a checkpoint must hold.
     model = Llama(cfg.model, jax.random.PRNGKey(cfg.trainer.seed))
@@ -139,6 +148,7 @@ def train(cfg: Config) -> dict:
     while step < cfg.trainer.steps:
         step += 1  # `step` counts batches from 1 (a rollback sets it back)
         batch = guard.faults.corrupt_batch(next(data_iter))
+        mix.add(batch["source"])
         state, metrics = train_step(state, device_batch(batch))
         metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}  # one transfer; waits for the step: honest step time
         if guard.faults.poison_due(step, guard.monitor.rollbacks):
@@ -148,7 +158,7 @@ def train(cfg: Config) -> dict:
         last = {
             "step": step, **metrics, "tokens": step * tokens_per_step, "tokens_per_update": tokens_per_step,
             "tokens_per_s": tokens_per_step / step_time, "step_time": step_time,
-            "mfu": flops_per_step / step_time / peak, "peak_memory": peak_memory_bytes(),
+            "mfu": flops_per_step / step_time / peak, "peak_memory": peak_memory_bytes(), **mix.fractions(),
         }
         writer.write(last)
         bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{last['tokens_per_s']:.0f}", refresh=False)
@@ -172,6 +182,8 @@ def train(cfg: Config) -> dict:
             val_loss = evaluate(eval_step, state.model, val)
             writer.write({"step": step, "val_loss": val_loss, "val_ppl": float(np.exp(val_loss))})
             guard.after_eval(step, val_loss, metrics.get("loss_mean", metrics["loss"]))
+            if val_sets:
+                writer.write({"step": step, **per_source_val_losses(eval_step, state.model, val_sets, device_batch)})
             if is_main:
                 bar.write(f"step {step}: loss {metrics['loss']:.4f}  val_loss {val_loss:.4f}  ppl {np.exp(val_loss):.1f}")
         if step % cfg.trainer.ckpt_every == 0 or step == cfg.trainer.steps:
@@ -181,7 +193,19 @@ def train(cfg: Config) -> dict:
     manager.wait_until_finished()
     manager.close()
     writer.close()
+    if is_main:
+        write_plot(run_dir)
     return last
+
+
+def write_plot(run_dir: Path) -> None:
+    """The run's curves as run_dir/plot.png; a plotting problem must never fail a finished run."""
+    try:
+        from lib.plot import plot_runs
+
+        plot_runs([run_dir], run_dir / "plot.png")
+    except Exception as exc:
+        print(f"warning: could not write {run_dir / 'plot.png'} ({type(exc).__name__}: {exc})", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:
