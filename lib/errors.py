@@ -8,8 +8,9 @@ from typing import Callable
 from lib.checkpoint import CheckpointError
 from lib.config import ConfigError
 from lib.corpus import DataError
+from lib.distributed import DistributedError
 
-USER_ERRORS = (ConfigError, DataError, CheckpointError)
+USER_ERRORS = (ConfigError, DataError, CheckpointError, DistributedError)
 
 
 def run_cli(body: Callable[[], object]) -> int:

@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import equinox as eqx
 import jax
 import numpy as np
 from tqdm import tqdm
@@ -23,19 +24,20 @@ from lib.errors import run_cli
 from lib.metrics import MetricsWriter, flops_per_token, peak_flops_per_device, peak_memory_bytes, read_metrics
 from lib.model import Llama, count_params
 from lib.optim import lr_schedule, make_optimizer
+from lib.placement import make_placement
 from lib.train_state import init_train_state, make_eval_step, make_train_step
 
 HOST_ONLY_KEYS = ("source", "index")  # sample identity stays on the host (for logs), not on the device
 
 
-def device_batch(batch: dict) -> dict:
-    return {k: jax.device_put(v) for k, v in batch.items() if k not in HOST_ONLY_KEYS}
+def device_batch(batch: dict, put=jax.device_put) -> dict:
+    return put({k: v for k, v in batch.items() if k not in HOST_ONLY_KEYS})
 
 
-def evaluate(eval_step, model, batches) -> float:
+def evaluate(eval_step, model, batches, put=jax.device_put) -> float:
     total, count = 0.0, 0
     for batch in batches:
-        s, n = eval_step(model, device_batch(batch))
+        s, n = eval_step(model, device_batch(batch, put))
         total, count = total + float(s), count + int(n)
     return total / max(count, 1)
 
@@ -47,6 +49,7 @@ def keep_metrics_up_to(run_dir: Path, step: int) -> None:
 
 
 def train(cfg: Config) -> dict:
+    placement = make_placement(cfg)  # first: joining a multi-host run must precede any other JAX call
     run_dir = Path(cfg.run_dir)
     is_main = jax.process_index() == 0
     if is_main:
@@ -64,10 +67,13 @@ def train(cfg: Config) -> dict:
     val = val_batches(corpora[0], cfg.data, batch_size=cfg.trainer.batch_size, n_batches=cfg.trainer.eval_batches, vocab_size=cfg.model.vocab_size)
 
     # Model, optimizer and the state that a checkpoint must hold.
-    model = Llama(cfg.model, jax.random.PRNGKey(cfg.trainer.seed))
+    key = jax.random.PRNGKey(cfg.trainer.seed)
+    model = eqx.filter_eval_shape(Llama, cfg.model, key)  # shapes only: the real model is built where it lives
     schedule = lr_schedule(cfg.optim, cfg.trainer.steps)
     optimizer = make_optimizer(cfg.optim, model, cfg.trainer.steps)
-    state = init_train_state(model, optimizer, cfg.trainer.seed)
+    state = placement.init_state(lambda: init_train_state(Llama(cfg.model, key), optimizer, cfg.trainer.seed))
+    if is_main and cfg.parallel.print_plan:
+        print(placement.plan(state), file=sys.stderr)
 
     # Resume from the newest complete checkpoint, if any.
     manager = ckpt.open_manager(run_dir / "checkpoints", keep_last=cfg.trainer.keep_last, keep_every=cfg.trainer.keep_every, async_save=cfg.trainer.async_checkpoint)
@@ -81,7 +87,7 @@ def train(cfg: Config) -> dict:
             keep_metrics_up_to(run_dir, start)
             print(f"resumed from {manager.directory}/{latest} (step {start})", file=sys.stderr)
 
-    train_step = make_train_step(optimizer, schedule, cfg.optim.accum_steps, cfg.optim.z_loss)
+    train_step = placement.train_step(make_train_step(optimizer, schedule, cfg.optim.accum_steps, cfg.optim.z_loss), state)
     eval_step = make_eval_step()
     tokens_per_step = cfg.trainer.batch_size * cfg.data.seq_len
     flops_per_step = flops_per_token(cfg.model, cfg.data.seq_len) * tokens_per_step
@@ -91,8 +97,8 @@ def train(cfg: Config) -> dict:
                            name=cfg.logger.name or cfg.exp_name, config=to_dict(cfg), resume=start > 0)
     if is_main:
         print(
-            f"{cfg.exp_name}: {count_params(model) / 1e6:.2f}M params ({count_params(model, False) / 1e6:.2f}M non-embedding), "
-            f"{jax.device_count()} {jax.devices()[0].platform} device(s), {tokens_per_step} tokens/step, "
+            f"{cfg.exp_name}: {count_params(state.model) / 1e6:.2f}M params ({count_params(state.model, False) / 1e6:.2f}M non-embedding), "
+            f"{jax.device_count()} {jax.devices()[0].platform} device(s) ({placement}), {tokens_per_step} tokens/step, "
             f"steps {start}->{cfg.trainer.steps}, peak {peak:.3g} FLOP/s ({peak_source}), run_dir {run_dir}",
             file=sys.stderr,
         )
@@ -105,7 +111,7 @@ def train(cfg: Config) -> dict:
     last = {}
     t_prev = time.perf_counter()
     for step in range(start + 1, cfg.trainer.steps + 1):  # `step` counts optimizer updates from 1
-        state, metrics = train_step(state, device_batch(next(data_iter)))
+        state, metrics = train_step(state, device_batch(next(data_iter), placement.train_batch))
         metrics = {k: float(v) for k, v in metrics.items()}  # waits for the step: honest step time
         now = time.perf_counter()
         step_time, t_prev = now - t_prev, now
@@ -118,7 +124,7 @@ def train(cfg: Config) -> dict:
         bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{last['tokens_per_s']:.0f}", refresh=False)
         bar.update(1)
         if val and (step % cfg.trainer.eval_every == 0 or step == cfg.trainer.steps):
-            val_loss = evaluate(eval_step, state.model, val)
+            val_loss = evaluate(eval_step, state.model, val, placement.eval_batch)
             writer.write({"step": step, "val_loss": val_loss, "val_ppl": float(np.exp(val_loss))})
             if is_main:
                 bar.write(f"step {step}: loss {metrics['loss']:.4f}  val_loss {val_loss:.4f}  ppl {np.exp(val_loss):.1f}")
