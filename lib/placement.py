@@ -32,6 +32,10 @@ class Placement:
             return build()
         return sharding.init_sharded(build, self.mesh, self.min_shard_bytes)
 
+    def model_view(self, model: Any) -> Any:
+        """The model as the forward pass sees it (activation shardings pinned on a mesh)."""
+        return model if self.mesh is None else sharding.fsdp_model_view(self.mesh)(model)
+
     def train_step(self, step: Callable, state: Any) -> Callable:
         return step if self.mesh is None else sharding.keep_state_sharding(step, state, self.mesh)
 
@@ -63,6 +67,9 @@ def make_placement(cfg: Config) -> Placement:
     because jax.distributed must start before anything else touches the devices."""
     p = cfg.parallel
     if p.name == "single":
+        spec = distributed.detect_cluster(p)
+        if spec is not None and (spec.num_processes or 1) > 1:
+            raise ConfigError(f"parallel=single runs in one process but {spec.num_processes} were launched; add parallel=fsdp")
         return Placement(None, p.min_shard_bytes)
     if p.name != "fsdp":
         raise ConfigError(f"parallel.name={p.name!r}: choose single or fsdp (conf/parallel/)")

@@ -164,6 +164,28 @@ def init_sharded(build: Callable[[], Any], mesh: Mesh, min_shard_bytes: int) -> 
     return eqx.combine(made, static)
 
 
+class BatchShardedBlocks(eqx.Module):
+    """The model's block stack with each block's input and output pinned to batch-split rows.
+
+    Without this anchor XLA's propagation may keep a weight's split and gather the
+    *activations* instead (tensor-parallel style), which materialises the global
+    batch on every device; pinned, it gathers the weights (FSDP). Used only as the
+    forward pass's view of the model (make_train_step's model_view): the stored
+    state, its checkpoints and the model code are unchanged."""
+
+    blocks: eqx.Module
+    rows: NamedSharding = eqx.field(static=True)
+
+    def __call__(self, x, *args, **kwargs):
+        x = jax.lax.with_sharding_constraint(x, self.rows)
+        return jax.lax.with_sharding_constraint(self.blocks(x, *args, **kwargs), self.rows)
+
+
+def fsdp_model_view(mesh: Mesh) -> Callable[[Any], Any]:
+    rows = batch_sharding(mesh)
+    return lambda model: eqx.tree_at(lambda m: m.blocks, model, BatchShardedBlocks(model.blocks, rows))
+
+
 def keep_state_sharding(step: Callable, state: Any, mesh: Mesh) -> Callable:
     """The train step jitted with its new state pinned to the old state's shardings (and donated),
     so step n+1 sees the inputs step n was compiled for; the metrics come back replicated."""

@@ -87,8 +87,8 @@ def train(cfg: Config) -> dict:
             keep_metrics_up_to(run_dir, start)
             print(f"resumed from {manager.directory}/{latest} (step {start})", file=sys.stderr)
 
-    train_step = placement.train_step(make_train_step(optimizer, schedule, cfg.optim.accum_steps, cfg.optim.z_loss), state)
-    eval_step = make_eval_step()
+    train_step = placement.train_step(make_train_step(optimizer, schedule, cfg.optim.accum_steps, cfg.optim.z_loss, placement.model_view), state)
+    eval_step = make_eval_step(placement.model_view)
     tokens_per_step = cfg.trainer.batch_size * cfg.data.seq_len
     flops_per_step = flops_per_token(cfg.model, cfg.data.seq_len) * tokens_per_step
     peak, peak_source = peak_flops_per_device(cfg.trainer.peak_flops)
