@@ -172,7 +172,8 @@ def _join_rendezvous(host: str, port: int, spec: ClusterSpec, timeout_s: float) 
             continue
         with conn:
             _send(conn, {"process_id": spec.process_id, "num_processes": spec.num_processes})
-            conn.settimeout(max(deadline - time.monotonic(), 1.0))
+            # Process 0 answers by the end of its own timeout, which may have started after ours.
+            conn.settimeout(timeout_s + 10)
             try:
                 line = conn.makefile().readline()
             except OSError:

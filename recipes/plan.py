@@ -131,7 +131,7 @@ def format_report(cfg: Config, r: dict) -> str:
     lines = [
         f"plan for {cfg.exp_name}: {r['params'] / 1e9:.3g}B params on {r['devices']} devices ({mesh}), compiled in {r['compile_s']:.1f}s",
         f"  tokens/step            {r['tokens_per_step']:,} ({cfg.trainer.batch_size} x {cfg.data.seq_len}, {cfg.optim.accum_steps} micro-batch(es))",
-        f"  FLOPs/step (6N + attn) {r['model_flops_per_step']:.3e}   (XLA counts {r['xla_flops_per_device']:.3e} per device)",
+        f"  FLOPs/step (6N + attn) {r['model_flops_per_step']:.3e}   (XLA's cost analysis: {r['xla_flops_per_device']:.3e} per device, counting the layer loop once)",
         "  per device:",
         f"    parameters           {fb(r['params_bytes_per_device'])}",
         f"    optimizer state      {fb(r['opt_state_bytes_per_device'])}",
