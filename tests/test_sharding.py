@@ -156,24 +156,26 @@ def resume_copy(src, dst):
     return dst
 
 
-def test_checkpoints_reshard_8_to_4_to_1_and_1_to_8(runs):
+def test_checkpoints_reshard_across_device_and_process_counts(runs):
+    """8 devices in 2 processes -> 4 devices in 1; 8 devices -> 1; 1 device -> 8 devices in 2 processes."""
     root, dirs = runs["root"], runs["dirs"]
     resumed = {
-        "on4": resume_copy(dirs["fsdp8"], root / "resume_on4"),
+        "on4": resume_copy(dirs["local2x4"], root / "resume_on4"),
         "on1": resume_copy(dirs["fsdp8"], root / "resume_on1"),
         "on8": resume_copy(dirs["single"], root / "resume_on8"),
     }
     cache, jax_cache = runs["cache"], runs["jax_cache"]
+    on8 = pretrain_args(resumed["on8"], cache, "parallel=fsdp", NO_EVAL)[2:]
     done = finish({
         "on4": start(pretrain_args(resumed["on4"], cache, "parallel=fsdp", NO_EVAL), subprocess_env(4, jax_cache)),
         "on1": start(pretrain_args(resumed["on1"], cache, NO_EVAL), subprocess_env(1, jax_cache)),
-        "on8": start(pretrain_args(resumed["on8"], cache, "parallel=fsdp", NO_EVAL), subprocess_env(8, jax_cache)),
+        "on8": start(["-m", "launch.local", "--processes", "2", "--devices-per-process", "4", "--", *on8], subprocess_env(None, jax_cache)),
     })
     for name, result in done.items():
         assert result.returncode == 0, f"{name} failed:\n{result.stderr[-3000:]}"
         assert "(step 10)" in result.stderr
     assert "mesh data=1 x fsdp=4" in done["on4"].stderr
-    for name, reference in (("on4", "fsdp8"), ("on1", "fsdp8"), ("on8", "single")):
+    for name, reference in (("on4", "local2x4"), ("on1", "fsdp8"), ("on8", "single")):
         got = losses(resumed[name])
         assert sorted(got) == list(range(1, STEPS + 1))  # rows past the checkpoint were replaced, not duplicated
         assert_same_losses(got, losses(dirs[reference]), range(11, STEPS + 1))
