@@ -90,7 +90,33 @@ class OptimConfig:
 
 @dataclass
 class ParallelConfig:
+    # single: one device | fsdp: every device, parameters and optimizer state split (lib/sharding.py)
     name: str = "single"
+    # Mesh axis sizes; -1 fills the devices left. Batch rows split over data x fsdp;
+    # parameters split over fsdp and replicated over data.
+    data: int = 1
+    fsdp: int = 1
+    # Leaves smaller than this stay whole on every device: gathering them costs more than storing them.
+    min_shard_bytes: int = 16384
+    # Print the table path -> shape -> PartitionSpec -> bytes per device at start.
+    print_plan: bool = False
+    # Multi-host (lib/distributed.py). auto: an explicit coordinator (here or JAX_COORDINATOR_ADDRESS),
+    # else SLURM, else a TPU VM pod, else one process. Or name one: explicit | slurm | tpu | none.
+    cluster: str = "auto"
+    coordinator: str = ""  # host:port of process 0
+    num_processes: int = 0  # 0: from the environment
+    process_id: int = -1  # -1: from the environment
+    # Seconds to wait for every process to join before failing with a clear error.
+    init_timeout_s: int = 300
+
+
+@dataclass
+class PlanConfig:
+    """What recipes/plan.py compiles for: a mesh of `devices` simulated devices, judged against `accelerator`."""
+
+    devices: int = 8
+    # Memory table key (v5p, v5e, v4, H100, H200, A100) or empty for no fits/does-not-fit verdict.
+    accelerator: str = ""
 
 
 @dataclass
@@ -181,6 +207,7 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     guard: GuardConfig = field(default_factory=GuardConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
 
 
 _GROUP_SCHEMAS = {
@@ -191,6 +218,7 @@ _GROUP_SCHEMAS = {
     "trainer": TrainerConfig,
     "logger": LoggerConfig,
     "guard": GuardConfig,
+    "plan": PlanConfig,
 }
 
 

@@ -8,9 +8,10 @@ from typing import Callable
 from lib.checkpoint import CheckpointError
 from lib.config import ConfigError
 from lib.corpus import DataError
+from lib.distributed import DistributedError
 from lib.rollback import TrainingDiverged
 
-USER_ERRORS = (ConfigError, DataError, CheckpointError, TrainingDiverged)
+USER_ERRORS = (ConfigError, DataError, CheckpointError, DistributedError, TrainingDiverged)
 
 
 def run_cli(body: Callable[[], object]) -> int:

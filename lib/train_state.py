@@ -52,16 +52,23 @@ def model_loss_sum(model: Llama, batch: Batch, z_loss: float):
 
 
 def split_micro_batches(batch: Batch, accum_steps: int) -> Batch:
-    """[B, T] -> [accum, B/accum, T]: micro-batch i is rows i*B/accum ... (i+1)*B/accum - 1."""
-    return jax.tree.map(lambda x: x.reshape(accum_steps, x.shape[0] // accum_steps, *x.shape[1:]), batch)
+    """[B, T] -> [accum, B/accum, T]: micro-batch i is rows i, i+accum, i+2*accum, ...
+
+    Strided, not contiguous: when rows are split over devices, every device then
+    feeds every micro-batch, so no resharding is needed between micro-steps."""
+    return jax.tree.map(lambda x: x.reshape(x.shape[0] // accum_steps, accum_steps, *x.shape[1:]).swapaxes(0, 1), batch)
 
 
-def accumulated_grads(model: Llama, batch: Batch, accum_steps: int, z_loss: float):
+def same_model(model: Llama) -> Llama:
+    return model
+
+
+def accumulated_grads(model: Llama, batch: Batch, accum_steps: int, z_loss: float, model_view=same_model):
     """Loss and gradient of the whole batch, normalised by its valid-token count, one micro-batch at a time."""
     total_valid = jnp.maximum(batch["mask"][:, 1:].sum(), 1).astype(jnp.float32)
 
     def micro_loss(m, micro):
-        loss_sum, _ = model_loss_sum(m, micro, z_loss)
+        loss_sum, _ = model_loss_sum(model_view(m), micro, z_loss)
         return loss_sum / total_valid
 
     grad_fn = eqx.filter_value_and_grad(micro_loss)
@@ -84,11 +91,15 @@ def make_train_step(
     accum_steps: int = 1,
     z_loss: float = 0.0,
     guard: StepGuard | None = None,
+    model_view: Callable[[Llama], Llama] = same_model,
 ) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
-    """The jitted step; with a `guard`, a bad step is skipped (state kept bitwise) instead of applied."""
+    """The jitted step; with a `guard`, a bad step is skipped (state kept bitwise) instead of applied.
+
+    `model_view` is what the forward pass runs (lib/sharding.py pins activation shardings this way,
+    from outside the model); gradients flow back to the stored model."""
 
     def train_step(state: TrainState, batch: Batch):
-        (loss, grads), valid = accumulated_grads(state.model, batch, accum_steps, z_loss)
+        (loss, grads), valid = accumulated_grads(state.model, batch, accum_steps, z_loss, model_view)
         if guard is not None:
             loss, grads = guard.inject_faults(state.guard, loss, grads)
         # Clipping happens inside the optimizer chain, after accumulation; this is the pre-clip norm.
@@ -105,11 +116,11 @@ def make_train_step(
     return jax.jit(train_step, donate_argnums=0)
 
 
-def make_eval_step() -> Callable[[Llama, Batch], tuple[jax.Array, jax.Array]]:
+def make_eval_step(model_view: Callable[[Llama], Llama] = same_model) -> Callable[[Llama, Batch], tuple[jax.Array, jax.Array]]:
     """Sum of next-token NLL and valid-token count on one batch (no z-loss: a pure NLL)."""
 
     @jax.jit
     def eval_step(model: Llama, batch: Batch):
-        return model_loss_sum(model, batch, 0.0)
+        return model_loss_sum(model_view(model), batch, 0.0)
 
     return eval_step

@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+import equinox as eqx
 import jax
 import numpy as np
 from tqdm import tqdm
@@ -32,19 +33,20 @@ from lib.mixture import MixtureCounter
 from lib.model import Llama, count_params
 from lib.optim import lr_schedule, make_optimizer
 from lib.repro import write_bundle
+from lib.placement import make_placement
 from lib.train_state import init_train_state, make_eval_step, make_train_step
 
 HOST_ONLY_KEYS = ("source", "index")  # sample identity stays on the host (for logs), not on the device
 
 
-def device_batch(batch: dict) -> dict:
-    return {k: jax.device_put(v) for k, v in batch.items() if k not in HOST_ONLY_KEYS}
+def device_batch(batch: dict, put=jax.device_put) -> dict:
+    return put({k: v for k, v in batch.items() if k not in HOST_ONLY_KEYS})
 
 
-def evaluate(eval_step, model, batches) -> float:
+def evaluate(eval_step, model, batches, put=jax.device_put) -> float:
     total, count = 0.0, 0
     for batch in batches:
-        s, n = eval_step(model, device_batch(batch))
+        s, n = eval_step(model, device_batch(batch, put))
         total, count = total + float(s), count + int(n)
     return total / max(count, 1)
 
@@ -56,6 +58,7 @@ def keep_metrics_up_to(run_dir: Path, step: int) -> None:
 
 
 def train(cfg: Config) -> dict:
+    placement = make_placement(cfg)  # first: joining a multi-host run must precede any other JAX call
     run_dir = Path(cfg.run_dir)
     is_main = jax.process_index() == 0
     if is_main:
@@ -85,11 +88,14 @@ def train(cfg: Config) -> dict:
         shutil.copyfile(corpora[0].tokenizer_path, run_dir / "tokenizer.json")
 
     # Model, optimizer and the state that a checkpoint must hold.
-    model = Llama(cfg.model, jax.random.PRNGKey(cfg.trainer.seed))
+    key = jax.random.PRNGKey(cfg.trainer.seed)
+    model = eqx.filter_eval_shape(Llama, cfg.model, key)  # shapes only: the real model is built where it lives
     schedule = lr_schedule(cfg.optim, cfg.trainer.steps)
     optimizer = make_optimizer(cfg.optim, model, cfg.trainer.steps)
     step_guard = StepGuard(cfg.guard) if cfg.guard.enabled else None
-    state = init_train_state(model, optimizer, cfg.trainer.seed, step_guard)
+    state = placement.init_state(lambda: init_train_state(Llama(cfg.model, key), optimizer, cfg.trainer.seed, step_guard))
+    if is_main and cfg.parallel.print_plan:
+        print(placement.plan(state), file=sys.stderr)
     writer = None  # opened below; the guard's warning and rollback rows go through it
 
     def emit(row: dict) -> None:
@@ -120,8 +126,9 @@ def train(cfg: Config) -> dict:
     if is_main:
         keep_metrics_up_to(run_dir, start)
 
-    train_step = make_train_step(optimizer, schedule, cfg.optim.accum_steps, cfg.optim.z_loss, step_guard)
-    eval_step = make_eval_step()
+    train_step = placement.train_step(
+        make_train_step(optimizer, schedule, cfg.optim.accum_steps, cfg.optim.z_loss, step_guard, placement.model_view), state)
+    eval_step = make_eval_step(placement.model_view)
     tokens_per_step = cfg.trainer.batch_size * cfg.data.seq_len
     flops_per_step = flops_per_token(cfg.model, cfg.data.seq_len) * tokens_per_step
     peak, peak_source = peak_flops_per_device(cfg.trainer.peak_flops)
@@ -130,8 +137,8 @@ def train(cfg: Config) -> dict:
                            name=cfg.logger.name or cfg.exp_name, config=to_dict(cfg), resume=start > 0)
     if is_main:
         print(
-            f"{cfg.exp_name}: {count_params(model) / 1e6:.2f}M params ({count_params(model, False) / 1e6:.2f}M non-embedding), "
-            f"{jax.device_count()} {jax.devices()[0].platform} device(s), {tokens_per_step} tokens/step, "
+            f"{cfg.exp_name}: {count_params(state.model) / 1e6:.2f}M params ({count_params(state.model, False) / 1e6:.2f}M non-embedding), "
+            f"{jax.device_count()} {jax.devices()[0].platform} device(s) ({placement}), {tokens_per_step} tokens/step, "
             f"steps {start}->{cfg.trainer.steps}, peak {peak:.3g} FLOP/s ({peak_source}), run_dir {run_dir}",
             file=sys.stderr,
         )
@@ -149,7 +156,7 @@ def train(cfg: Config) -> dict:
         step += 1  # `step` counts batches from 1 (a rollback sets it back)
         batch = guard.faults.corrupt_batch(next(data_iter))
         mix.add(batch["source"])
-        state, metrics = train_step(state, device_batch(batch))
+        state, metrics = train_step(state, device_batch(batch, placement.train_batch))
         metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}  # one transfer; waits for the step: honest step time
         if guard.faults.poison_due(step, guard.monitor.rollbacks):
             state = guard.faults.poison(state, step)
@@ -179,11 +186,11 @@ def train(cfg: Config) -> dict:
             t_prev = time.perf_counter()
             continue
         if val and (step % cfg.trainer.eval_every == 0 or step == cfg.trainer.steps):
-            val_loss = evaluate(eval_step, state.model, val)
+            val_loss = evaluate(eval_step, state.model, val, placement.eval_batch)
             writer.write({"step": step, "val_loss": val_loss, "val_ppl": float(np.exp(val_loss))})
             guard.after_eval(step, val_loss, metrics.get("loss_mean", metrics["loss"]))
             if val_sets:
-                writer.write({"step": step, **per_source_val_losses(eval_step, state.model, val_sets, device_batch)})
+                writer.write({"step": step, **per_source_val_losses(eval_step, state.model, val_sets, lambda b: device_batch(b, placement.eval_batch))})
             if is_main:
                 bar.write(f"step {step}: loss {metrics['loss']:.4f}  val_loss {val_loss:.4f}  ppl {np.exp(val_loss):.1f}")
         if step % cfg.trainer.ckpt_every == 0 or step == cfg.trainer.steps:
