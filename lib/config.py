@@ -87,7 +87,22 @@ class OptimConfig:
 
 @dataclass
 class ParallelConfig:
+    # single: one device | pipeline: the layer stack split into stages (lib/pipeline.py)
     name: str = "single"
+    # Mesh axis sizes besides `stages`; -1 fills the devices left. Within a stage, micro-batch rows
+    # split over data x fsdp and the stage's parameters split over fsdp.
+    data: int = 1
+    fsdp: int = 1
+    # Leaves smaller than this stay whole on every device: gathering them costs more than storing them.
+    min_shard_bytes: int = 16384
+    # Pipeline: stages along the `stage` mesh axis; micro-batches per (accumulation) batch;
+    # gpipe, or circular where the layers wrap around the stages `repeats` times (smaller bubble).
+    stages: int = 1
+    microbatches: int = 1
+    schedule: str = "gpipe"
+    repeats: int = 1
+    # Keep only each stage's input per tick and recompute its layers in the backward pass.
+    stage_remat: bool = False
 
 
 @dataclass

@@ -23,19 +23,20 @@ from lib.errors import run_cli
 from lib.metrics import MetricsWriter, flops_per_token, peak_flops_per_device, peak_memory_bytes, read_metrics
 from lib.model import Llama, count_params
 from lib.optim import lr_schedule, make_optimizer
-from lib.train_state import init_train_state, make_eval_step, make_train_step
+from lib.pipeline import Pipeline
+from lib.train_state import init_train_state, make_eval_step, make_train_step, model_loss_sum
 
 HOST_ONLY_KEYS = ("source", "index")  # sample identity stays on the host (for logs), not on the device
 
 
-def device_batch(batch: dict) -> dict:
-    return {k: jax.device_put(v) for k, v in batch.items() if k not in HOST_ONLY_KEYS}
+def device_batch(batch: dict, put=jax.device_put) -> dict:
+    return put({k: v for k, v in batch.items() if k not in HOST_ONLY_KEYS})
 
 
-def evaluate(eval_step, model, batches) -> float:
+def evaluate(eval_step, model, batches, put=jax.device_put) -> float:
     total, count = 0.0, 0
     for batch in batches:
-        s, n = eval_step(model, device_batch(batch))
+        s, n = eval_step(model, device_batch(batch, put))
         total, count = total + float(s), count + int(n)
     return total / max(count, 1)
 
@@ -47,6 +48,8 @@ def keep_metrics_up_to(run_dir: Path, step: int) -> None:
 
 
 def train(cfg: Config) -> dict:
+    # Checked before anything is written: a pipeline that does not fit the devices stops here.
+    pipe = Pipeline(cfg) if cfg.parallel.name == "pipeline" else None
     run_dir = Path(cfg.run_dir)
     is_main = jax.process_index() == 0
     if is_main:
@@ -68,6 +71,10 @@ def train(cfg: Config) -> dict:
     schedule = lr_schedule(cfg.optim, cfg.trainer.steps)
     optimizer = make_optimizer(cfg.optim, model, cfg.trainer.steps)
     state = init_train_state(model, optimizer, cfg.trainer.seed)
+    put, loss_sum = jax.device_put, model_loss_sum
+    if pipe:  # each stage holds its layers' parameters and optimizer state; the forward is pipelined
+        state = pipe.init_state(lambda: init_train_state(Llama(cfg.model, jax.random.PRNGKey(cfg.trainer.seed)), optimizer, cfg.trainer.seed))
+        put, loss_sum = pipe.batch, pipe.loss_sum
 
     # Resume from the newest complete checkpoint, if any.
     manager = ckpt.open_manager(run_dir / "checkpoints", keep_last=cfg.trainer.keep_last, keep_every=cfg.trainer.keep_every, async_save=cfg.trainer.async_checkpoint)
@@ -81,8 +88,10 @@ def train(cfg: Config) -> dict:
             keep_metrics_up_to(run_dir, start)
             print(f"resumed from {manager.directory}/{latest} (step {start})", file=sys.stderr)
 
-    train_step = make_train_step(optimizer, schedule, cfg.optim.accum_steps, cfg.optim.z_loss)
-    eval_step = make_eval_step()
+    train_step = make_train_step(optimizer, schedule, cfg.optim.accum_steps, cfg.optim.z_loss, loss_sum)
+    if pipe:
+        train_step = pipe.train_step(train_step, state)
+    eval_step = make_eval_step(loss_sum)
     tokens_per_step = cfg.trainer.batch_size * cfg.data.seq_len
     flops_per_step = flops_per_token(cfg.model, cfg.data.seq_len) * tokens_per_step
     peak, peak_source = peak_flops_per_device(cfg.trainer.peak_flops)
@@ -96,6 +105,10 @@ def train(cfg: Config) -> dict:
             f"steps {start}->{cfg.trainer.steps}, peak {peak:.3g} FLOP/s ({peak_source}), run_dir {run_dir}",
             file=sys.stderr,
         )
+        if pipe:
+            print(f"{pipe.schedule.describe()} on {pipe}", file=sys.stderr)
+    if pipe:
+        writer.write({"step": start, **pipe.log_row()})
 
     def save(step: int) -> None:
         meta = {"step": step, "model": to_dict(cfg)["model"], "config": to_dict(cfg), "good": True}
@@ -105,7 +118,7 @@ def train(cfg: Config) -> dict:
     last = {}
     t_prev = time.perf_counter()
     for step in range(start + 1, cfg.trainer.steps + 1):  # `step` counts optimizer updates from 1
-        state, metrics = train_step(state, device_batch(next(data_iter)))
+        state, metrics = train_step(state, device_batch(next(data_iter), put))
         metrics = {k: float(v) for k, v in metrics.items()}  # waits for the step: honest step time
         now = time.perf_counter()
         step_time, t_prev = now - t_prev, now
@@ -118,7 +131,7 @@ def train(cfg: Config) -> dict:
         bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{last['tokens_per_s']:.0f}", refresh=False)
         bar.update(1)
         if val and (step % cfg.trainer.eval_every == 0 or step == cfg.trainer.steps):
-            val_loss = evaluate(eval_step, state.model, val)
+            val_loss = evaluate(eval_step, state.model, val, put)
             writer.write({"step": step, "val_loss": val_loss, "val_ppl": float(np.exp(val_loss))})
             if is_main:
                 bar.write(f"step {step}: loss {metrics['loss']:.4f}  val_loss {val_loss:.4f}  ppl {np.exp(val_loss):.1f}")
