@@ -73,7 +73,7 @@ def train(cfg: Config) -> dict:
     state = init_train_state(model, optimizer, cfg.trainer.seed)
     put, loss_sum = jax.device_put, model_loss_sum
     if pipe:  # each stage holds its layers' parameters and optimizer state; the forward is pipelined
-        state = pipe.init_state(lambda: init_train_state(Llama(cfg.model, jax.random.PRNGKey(cfg.trainer.seed)), optimizer, cfg.trainer.seed))
+        state = jax.device_put(state, pipe.state_shardings(state))
         put, loss_sum = pipe.batch, pipe.loss_sum
 
     # Resume from the newest complete checkpoint, if any.
