@@ -180,18 +180,16 @@ def leaf_spec(path, shape: tuple[int, ...], itemsize: int, n_layers: int, fsdp: 
     return P(*spec)
 
 
-def _split_micro(a: jax.Array, m: int) -> jax.Array:
-    """[B, ...] -> [M, B/M, ...], micro-batch j = rows j, M+j, 2M+j, ...: rows arrive split over devices in
-    contiguous blocks, and the strided choice keeps every micro-batch spread over those devices unmoved."""
-    return a.reshape(a.shape[0] // m, m, *a.shape[1:]).swapaxes(0, 1)
-
-
-def _merge_micro(a: jax.Array) -> jax.Array:
-    return a.swapaxes(0, 1).reshape(-1, *a.shape[2:])
+def micro_rows(a: jax.Array, m: int) -> jax.Array:
+    """[B, ...] rows reordered so micro-batch j (rows j, M+j, 2M+j, ...) is the j-th block of B/M rows.
+    Rows arrive split over data x fsdp in contiguous blocks; the strided choice keeps every micro-batch
+    spread over those devices. The loss is a sum over rows, so the order does not change it."""
+    return a.reshape(a.shape[0] // m, m, *a.shape[1:]).swapaxes(0, 1).reshape(a.shape)
 
 
 def run_pipelined_blocks(model: Llama, x, context, schedule: Schedule, mesh: Mesh, stage_remat: bool):
-    """`model.run_blocks(model.blocks, x, *context)[0]` computed by the pipeline; x is [B, T, D]."""
+    """The blocks of `model` on micro-batches x [M, mb, T, D] (context likewise [M, mb, ...]) as the
+    schedule runs them; equals `model.run_blocks(model.blocks, x[j], *context[j])[0]` for each j."""
     S, M, R, K = schedule.stages, schedule.microbatches, schedule.repeats, schedule.layers_per_chunk
     # Chunk layout [R, S, K, ...]: chunk r*S + s holds layers (r*S + s)*K ... +K-1 and runs on stage s.
     chunks = jax.tree.map(lambda a: a.reshape(R, S, K, *a.shape[1:]), model.blocks)
@@ -229,30 +227,35 @@ def run_pipelined_blocks(model: Llama, x, context, schedule: Schedule, mesh: Mes
         received = jax.lax.pcast(jnp.zeros_like(x[0]), "stage", to="varying")
         ring = jax.lax.pcast(x, "stage", to="varying")  # embeddings: repeat 0 reads them, then outputs replace them
         (received, ring), _ = jax.lax.scan(tick, (received, ring), jnp.arange(schedule.ticks))
-        return park(ring, received, schedule.ticks)[None]  # the last item comes home after the final tick
+        ring = park(ring, received, schedule.ticks)  # the last item comes home after the final tick
+        # Stage 0's ring now holds every output; share it with all stages (the others add zeros).
+        return jax.lax.psum(jnp.where(first, ring, jnp.zeros_like(ring)), "stage")
 
-    cos, sin, mask = context
-    stacked = jax.shard_map(
+    return jax.shard_map(
         stage_body,
         mesh=mesh,
         in_specs=(P(None, "stage"), P(), P(), P(), P()),
-        out_specs=P("stage"),
+        out_specs=P(),
         axis_names={"stage"},  # manual over stages only: data/fsdp stay automatic inside a stage
-    )(chunks, *(_split_micro(a, M) for a in (x, cos, sin, mask)))
-    return _merge_micro(stacked[0])  # stage 0's ring holds every micro-batch's output
+    )(chunks, x, *context)
 
 
 def make_pipelined_loss_sum(schedule: Schedule, mesh: Mesh, stage_remat: bool, row_sharding: Callable[[int], NamedSharding]):
     """A `(model, batch, z_loss) -> (loss sum, valid count)` like train_state.model_loss_sum, pipelined."""
+    M = schedule.microbatches
 
     def loss_sum(model: Llama, batch: Batch, z_loss: float):
-        tokens = batch["tokens"]
-        if tokens.shape[0] % (schedule.microbatches * math.prod(mesh.shape[a] for a in ROW_AXES)):
+        n_rows, seq = batch["tokens"].shape
+        if n_rows % (M * math.prod(mesh.shape[a] for a in ROW_AXES)):
             return model_loss_sum(model, batch, z_loss)  # a short validation batch: the plain forward
-        cos, sin, mask = model.context(tokens, segment_ids=batch.get("segment_ids"))
-        y = run_pipelined_blocks(model, model.embed_tokens(tokens), (cos, sin, mask), schedule, mesh, stage_remat)
+        rows = row_sharding(n_rows)
+        batch = {k: jax.lax.with_sharding_constraint(micro_rows(v, M), rows) for k, v in batch.items()}
+        tokens = batch["tokens"]
+        as_micro = lambda a: a.reshape(M, n_rows // M, *a.shape[1:])  # noqa: E731
+        context = [as_micro(c) for c in model.context(tokens, segment_ids=batch.get("segment_ids"))]
+        y = run_pipelined_blocks(model, as_micro(model.embed_tokens(tokens)), context, schedule, mesh, stage_remat)
         # The head and loss split rows over every device, not only one stage's (the head is costly).
-        y = jax.lax.with_sharding_constraint(y, row_sharding(tokens.shape[0]))
+        y = jax.lax.with_sharding_constraint(y.reshape(n_rows, seq, -1), rows)
         logits = model.logits(model.final_norm(y))
         return next_token_loss_sum(logits, tokens, batch["mask"], z_loss)
 

@@ -74,7 +74,11 @@ def gradient_check(name: str) -> dict:
     pipe = Pipeline(cfg)
     model = Llama(cfg.model, jax.random.PRNGKey(0))
     tokens = jax.random.randint(jax.random.PRNGKey(1), (8, cfg.data.seq_len), 0, cfg.model.vocab_size)
-    batch = {"tokens": tokens, "mask": jnp.ones(tokens.shape, bool).at[:, -5:].set(False)}
+    # Padding, and two documents per row split at a different place in every row, so each
+    # micro-batch has its own attention mask (a stage that used another's would be caught).
+    cuts = jax.random.randint(jax.random.PRNGKey(2), (8, 1), 1, cfg.data.seq_len)
+    segments = (jnp.arange(cfg.data.seq_len)[None, :] >= cuts).astype(jnp.int32)
+    batch = {"tokens": tokens, "mask": jnp.ones(tokens.shape, bool).at[:, -5:].set(False), "segment_ids": segments}
 
     def mean_loss(loss_sum):
         def f(m, b):
