@@ -2,6 +2,8 @@
 
     JAX_NUM_CPU_DEVICES=8 python tests/pipeline_on_8_devices.py OUT_DIR
 
+(the test adds XLA_FLAGS that turn codegen optimisation off: compiles are most of the cost).
+
 JAX fixes its device count when it starts, so these cannot run inside the
 pytest process. One process runs everything (compiles dominate the cost) and
 writes OUT_DIR/report.json; the tests assert on it. Nothing here decides
