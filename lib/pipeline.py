@@ -9,7 +9,8 @@ At every tick each stage runs one chunk on one micro-batch and hands the
 result to the next stage with a collective permute (`ppermute`, inside
 `shard_map` over the `stage` mesh axis); the last stage hands it back to stage
 0, which parks it in a ring buffer until the micro-batch's next repeat starts
-(or, after the last repeat, until the pipeline ends). Stage s works at tick t on
+(or, after the last repeat, until the end, when a psum over `stage` hands
+the outputs on). Stage s works at tick t on
 item i = t - s, that is micro-batch i mod M in repeat i div M, so the whole
 batch takes R*M + S - 1 ticks, of which S - 1 per stage are idle (the bubble).
 docs/pipeline.md draws the ticks.

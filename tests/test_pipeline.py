@@ -120,6 +120,41 @@ def test_pipeline_config_group_composes():
     assert (p.name, p.stages, p.fsdp, p.schedule, p.repeats, p.stage_remat) == ("pipeline", 4, -1, "circular", 2, False)
 
 
+def test_one_stage_pipeline_with_accumulation_matches_the_plain_train_step():
+    """On this process's device: the pipelined loss inside the accumulating train step
+    (2 accumulation steps x 2 micro-batches) gives the plain step's loss, norm and update."""
+    import equinox as eqx
+    import jax
+    import numpy as np
+
+    from lib.model import Llama
+    from lib.optim import lr_schedule, make_optimizer
+    from lib.pipeline import Pipeline
+    from lib.train_state import init_train_state, make_train_step
+
+    cfg = load_config(["+exp=smoke", "parallel=pipeline", "parallel.stages=1", "parallel.microbatches=2",
+                       "parallel.stage_remat=true", "optim.accum_steps=2", "trainer.batch_size=8"])
+    pipe = Pipeline(cfg, devices=jax.devices()[:1])
+    model = Llama(cfg.model, jax.random.PRNGKey(0))
+    optimizer = make_optimizer(cfg.optim, model, 10)
+    rng = np.random.default_rng(0)
+    batch = {"tokens": rng.integers(0, cfg.model.vocab_size, (8, cfg.data.seq_len)).astype(np.int32),
+             "mask": np.ones((8, cfg.data.seq_len), bool)}
+    batch["mask"][:3, -7:] = False  # padding in some rows only: the count must be the whole batch's
+    results = []
+    for loss_sum, put in ((None, jax.device_put), (pipe.loss_sum, pipe.batch)):
+        kwargs = {} if loss_sum is None else {"loss_sum": loss_sum}
+        step = make_train_step(optimizer, lr_schedule(cfg.optim, 10), 2, 0.0, **kwargs)
+        fresh = Llama(cfg.model, jax.random.PRNGKey(0))  # the step donates its input state
+        state, metrics = step(init_train_state(fresh, optimizer, 0), put(batch))
+        results.append((metrics, jax.tree.leaves(eqx.filter(state.model, eqx.is_array))))
+    (plain, plain_params), (piped, piped_params) = results
+    assert rel(float(piped["loss"]), float(plain["loss"])) <= LOSS_RTOL
+    assert rel(float(piped["grad_norm"]), float(plain["grad_norm"])) <= LOSS_RTOL
+    for a, b in zip(piped_params, plain_params):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-6)
+
+
 # ---- 8 simulated devices, one subprocess --------------------------------------------------------------
 
 
