@@ -89,7 +89,7 @@ class Schedule:
         return rows
 
     def describe(self) -> str:
-        formula = f"(S-1)/(M+S-1)" if self.repeats == 1 else "(S-1)/(R*M+S-1)"
+        formula = "(S-1)/(M+S-1)" if self.repeats == 1 else "(S-1)/(R*M+S-1)"
         return (
             f"pipeline schedule {self.name}: {self.stages} stages x {self.repeats} repeat(s), "
             f"{self.microbatches} micro-batches, {self.layers_per_chunk} layer(s) per stage and repeat, "

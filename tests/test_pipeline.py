@@ -195,7 +195,7 @@ def test_pipelined_evaluation_equals_single_device(report):
 def test_recipe_prints_and_logs_the_schedule(report, name, schedule, stages, micro, repeats, bubble):
     run = report["runs"][name]
     assert f"pipeline schedule {schedule}: {stages} stages x {repeats} repeat(s), {micro} micro-batches" in run["stderr"]
-    assert f"bubble" in run["stderr"] and f"{bubble:.1%}" in run["stderr"]
+    assert "bubble" in run["stderr"] and f"{bubble:.1%}" in run["stderr"]
     [row] = run["log"]
     assert row["pipeline_schedule"] == schedule and row["pipeline_bubble"] == pytest.approx(bubble)
     assert (row["pipeline_stages"], row["pipeline_microbatches"], row["pipeline_repeats"]) == (stages, micro, repeats)
