@@ -91,6 +91,7 @@ class OptimConfig:
 @dataclass
 class ParallelConfig:
     # single: one device | fsdp: every device, parameters and optimizer state split (lib/sharding.py)
+    # | pipeline: the layer stack split into stages along a `stage` axis (lib/pipeline.py)
     name: str = "single"
     # Mesh axis sizes; -1 fills the devices left. Batch rows split over data x fsdp;
     # parameters split over fsdp and replicated over data.
@@ -108,6 +109,15 @@ class ParallelConfig:
     process_id: int = -1  # -1: from the environment
     # Seconds to wait for every process to join before failing with a clear error.
     init_timeout_s: int = 300
+
+    # Pipeline: stages along the `stage` mesh axis; micro-batches per (accumulation) batch;
+    # gpipe, or circular where the layers wrap around the stages `repeats` times (smaller bubble).
+    stages: int = 1
+    microbatches: int = 1
+    schedule: str = "gpipe"
+    repeats: int = 1
+    # Keep only each stage's input per tick and recompute its layers in the backward pass.
+    stage_remat: bool = False
 
 
 @dataclass

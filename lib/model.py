@@ -198,10 +198,13 @@ class Llama(eqx.Module):
         out = self.final_norm(x)
         return (out, per_layer) if collect else out
 
-    def __call__(self, tokens, positions=None, segment_ids=None):
-        """Logits [b, t, vocab] in fp32 (the softmax and loss want full precision)."""
-        h = self.hidden(tokens, positions, segment_ids)
+    def logits(self, h):
+        """The LM head on final hidden states, in fp32 (the softmax and loss want full precision)."""
         return (h @ self.head_weight().astype(h.dtype)).astype(jnp.float32)
+
+    def __call__(self, tokens, positions=None, segment_ids=None):
+        """Logits [b, t, vocab] in fp32."""
+        return self.logits(self.hidden(tokens, positions, segment_ids))
 
 
 def count_params(model: Llama, include_embeddings: bool = True) -> int:

@@ -15,6 +15,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from lib import distributed, sharding
 from lib.config import Config, ConfigError, ParallelConfig
+from lib.train_state import model_loss_sum
 
 
 class Placement:
@@ -35,6 +36,16 @@ class Placement:
     def model_view(self, model: Any) -> Any:
         """The model as the forward pass sees it (activation shardings pinned on a mesh)."""
         return model if self.mesh is None else sharding.fsdp_model_view(self.mesh)(model)
+
+    def loss_sum(self, model: Any, batch: dict, z_loss: float):
+        """The forward pass and loss the train and eval steps run (see lib/train_state.py)."""
+        return model_loss_sum(self.model_view(model), batch, z_loss)
+
+    def schedule_line(self) -> str:
+        return ""  # only a pipeline has a schedule to announce
+
+    def log_row(self) -> dict:
+        return {"placement": str(self)}
 
     def train_step(self, step: Callable, state: Any) -> Callable:
         return step if self.mesh is None else sharding.keep_state_sharding(step, state, self.mesh)
@@ -69,13 +80,17 @@ def make_placement(cfg: Config) -> Placement:
     """The placement for `cfg.parallel`; for fsdp it first joins the multi-process run, if any,
     because jax.distributed must start before anything else touches the devices."""
     p = cfg.parallel
+    if p.name == "pipeline":
+        from lib.pipeline import Pipeline  # single-process: multi-host pipelines are not wired up yet
+
+        return Pipeline(cfg)
     if p.name == "single":
         spec = distributed.detect_cluster(p)
         if spec is not None and (spec.num_processes or 1) > 1:
             raise ConfigError(f"parallel=single runs in one process but {spec.num_processes} were launched; add parallel=fsdp")
         return Placement(None, p.min_shard_bytes)
     if p.name != "fsdp":
-        raise ConfigError(f"parallel.name={p.name!r}: choose single or fsdp (conf/parallel/)")
+        raise ConfigError(f"parallel.name={p.name!r}: choose single, fsdp or pipeline (conf/parallel/)")
     distributed.initialize(p)
     mesh = sharding.make_mesh(p)
     sharding.check_batch_divisible(cfg.trainer.batch_size, cfg.optim.accum_steps, mesh)

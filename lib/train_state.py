@@ -59,17 +59,18 @@ def split_micro_batches(batch: Batch, accum_steps: int) -> Batch:
     return jax.tree.map(lambda x: x.reshape(x.shape[0] // accum_steps, accum_steps, *x.shape[1:]).swapaxes(0, 1), batch)
 
 
-def same_model(model: Llama) -> Llama:
-    return model
+LossSum = Callable[[Llama, Batch, float], tuple[jax.Array, jax.Array]]  # (model, batch, z_loss) -> (sum, count)
 
 
-def accumulated_grads(model: Llama, batch: Batch, accum_steps: int, z_loss: float, model_view=same_model):
-    """Loss and gradient of the whole batch, normalised by its valid-token count, one micro-batch at a time."""
+def accumulated_grads(model: Llama, batch: Batch, accum_steps: int, z_loss: float, loss_sum: LossSum = model_loss_sum):
+    """Loss and gradient of the whole batch, normalised by its valid-token count, one micro-batch at a time.
+
+    `loss_sum` computes the forward pass (the plain model, or a pipelined one from lib/pipeline.py)."""
     total_valid = jnp.maximum(batch["mask"][:, 1:].sum(), 1).astype(jnp.float32)
 
     def micro_loss(m, micro):
-        loss_sum, _ = model_loss_sum(model_view(m), micro, z_loss)
-        return loss_sum / total_valid
+        micro_sum, _ = loss_sum(m, micro, z_loss)
+        return micro_sum / total_valid
 
     grad_fn = eqx.filter_value_and_grad(micro_loss)
     if accum_steps == 1:
@@ -91,15 +92,15 @@ def make_train_step(
     accum_steps: int = 1,
     z_loss: float = 0.0,
     guard: StepGuard | None = None,
-    model_view: Callable[[Llama], Llama] = same_model,
+    loss_sum: LossSum = model_loss_sum,
 ) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
     """The jitted step; with a `guard`, a bad step is skipped (state kept bitwise) instead of applied.
 
-    `model_view` is what the forward pass runs (lib/sharding.py pins activation shardings this way,
-    from outside the model); gradients flow back to the stored model."""
+    `loss_sum` runs the forward pass: the plain model, the model with activation shardings pinned
+    (lib/placement.py), or the pipelined stack (lib/pipeline.py); gradients flow back to the stored model."""
 
     def train_step(state: TrainState, batch: Batch):
-        (loss, grads), valid = accumulated_grads(state.model, batch, accum_steps, z_loss, model_view)
+        (loss, grads), valid = accumulated_grads(state.model, batch, accum_steps, z_loss, loss_sum)
         if guard is not None:
             loss, grads = guard.inject_faults(state.guard, loss, grads)
         # Clipping happens inside the optimizer chain, after accumulation; this is the pre-clip norm.
@@ -116,11 +117,11 @@ def make_train_step(
     return jax.jit(train_step, donate_argnums=0)
 
 
-def make_eval_step(model_view: Callable[[Llama], Llama] = same_model) -> Callable[[Llama, Batch], tuple[jax.Array, jax.Array]]:
+def make_eval_step(loss_sum: LossSum = model_loss_sum) -> Callable[[Llama, Batch], tuple[jax.Array, jax.Array]]:
     """Sum of next-token NLL and valid-token count on one batch (no z-loss: a pure NLL)."""
 
     @jax.jit
     def eval_step(model: Llama, batch: Batch):
-        return model_loss_sum(model_view(model), batch, 0.0)
+        return loss_sum(model, batch, 0.0)
 
     return eval_step

@@ -33,6 +33,7 @@ from lib.errors import run_cli
 from lib.metrics import flops_per_token
 from lib.model import Llama
 from lib.optim import lr_schedule, make_optimizer
+from lib.placement import Placement
 from lib.train_state import init_train_state, make_train_step
 
 GiB = 1024**3
@@ -90,7 +91,8 @@ def plan(cfg: Config) -> dict:
         print(sharding.format_plan(sharding.plan_rows(state, shardings)), file=sys.stderr)
 
     schedule = lr_schedule(cfg.optim, cfg.trainer.steps)
-    step = make_train_step(optimizer, schedule, cfg.optim.accum_steps, cfg.optim.z_loss, model_view=sharding.fsdp_model_view(mesh))
+    step = make_train_step(optimizer, schedule, cfg.optim.accum_steps, cfg.optim.z_loss,
+                           loss_sum=Placement(mesh, parallel.min_shard_bytes).loss_sum)
     t0 = time.perf_counter()
     compiled = sharding.keep_state_sharding(step, state, mesh).lower(state, abstract_batch(cfg, sharding.batch_sharding(mesh))).compile()
     compile_s = time.perf_counter() - t0

@@ -32,8 +32,8 @@ from lib.metrics import MetricsWriter, flops_per_token, peak_flops_per_device, p
 from lib.mixture import MixtureCounter
 from lib.model import Llama, count_params
 from lib.optim import lr_schedule, make_optimizer
-from lib.repro import write_bundle
 from lib.placement import make_placement
+from lib.repro import write_bundle
 from lib.train_state import init_train_state, make_eval_step, make_train_step
 
 HOST_ONLY_KEYS = ("source", "index")  # sample identity stays on the host (for logs), not on the device
@@ -58,7 +58,9 @@ def keep_metrics_up_to(run_dir: Path, step: int) -> None:
 
 
 def train(cfg: Config) -> dict:
-    placement = make_placement(cfg)  # first: joining a multi-host run must precede any other JAX call
+    # First: joining a multi-host run must precede any other JAX call, and a mesh or pipeline
+    # that does not fit the devices stops here, before anything is written.
+    placement = make_placement(cfg)
     run_dir = Path(cfg.run_dir)
     is_main = jax.process_index() == 0
     if is_main:
@@ -127,8 +129,8 @@ def train(cfg: Config) -> dict:
         keep_metrics_up_to(run_dir, start)
 
     train_step = placement.train_step(
-        make_train_step(optimizer, schedule, cfg.optim.accum_steps, cfg.optim.z_loss, step_guard, placement.model_view), state)
-    eval_step = make_eval_step(placement.model_view)
+        make_train_step(optimizer, schedule, cfg.optim.accum_steps, cfg.optim.z_loss, step_guard, placement.loss_sum), state)
+    eval_step = make_eval_step(placement.loss_sum)
     tokens_per_step = cfg.trainer.batch_size * cfg.data.seq_len
     flops_per_step = flops_per_token(cfg.model, cfg.data.seq_len) * tokens_per_step
     peak, peak_source = peak_flops_per_device(cfg.trainer.peak_flops)
@@ -142,6 +144,9 @@ def train(cfg: Config) -> dict:
             f"steps {start}->{cfg.trainer.steps}, peak {peak:.3g} FLOP/s ({peak_source}), run_dir {run_dir}",
             file=sys.stderr,
         )
+        if placement.schedule_line():
+            print(placement.schedule_line(), file=sys.stderr)
+    writer.write({"step": start, **placement.log_row()})
 
     def save(step: int) -> None:
         # A checkpoint saved while an anomaly is open may hold a bad update: never a rollback target.
