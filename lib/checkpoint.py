@@ -15,6 +15,8 @@ read onto 1 (or the other way) and is resharded on the fly.
 from __future__ import annotations
 
 import json
+import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -28,15 +30,67 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used; the message names the fix."""
 
 
-def open_manager(directory: str | Path, *, keep_last: int, keep_every: int = 0, async_save: bool = True) -> ocp.CheckpointManager:
+TMP_MARKER = ".orbax-checkpoint-tmp"
+
+
+def remove_incomplete_steps(directory: str | Path) -> list[str]:
+    """Delete the temporary folders a killed save leaves behind (Orbax renames complete ones)."""
+    directory = Path(directory)
+    if jax.process_index() != 0 or not directory.is_dir():
+        return []
+    stale = [p for p in directory.iterdir() if TMP_MARKER in p.name]
+    for p in stale:
+        shutil.rmtree(p, ignore_errors=True)
+    return [p.name for p in stale]
+
+
+def open_manager(
+    directory: str | Path,
+    *,
+    keep_last: int,
+    keep_every: int = 0,
+    async_save: bool = True,
+    keep_good: int = 0,
+    temporary_path_class: type | None = None,
+) -> ocp.CheckpointManager:
+    """`keep_good` > 0 also keeps that many newest "good" checkpoints (the rollback targets) past `keep_last`."""
+    removed = remove_incomplete_steps(directory)
+    if removed:
+        print(f"removed incomplete checkpoint folders: {', '.join(removed)}", file=sys.stderr)
+    directory = Path(directory).absolute()
+    retention: dict = {"max_to_keep": keep_last if keep_last > 0 else None, "keep_period": keep_every if keep_every > 0 else None}
+    if keep_good > 0 and keep_last > 0:
+        policies = [ocp.checkpoint_managers.LatestN(n=keep_last), KeepNewestGood(directory, keep_good)]
+        if keep_every > 0:
+            policies.append(ocp.checkpoint_managers.EveryNSteps(keep_every))
+        retention = {"preservation_policy": ocp.checkpoint_managers.AnyPreservationPolicy(policies)}
     options = ocp.CheckpointManagerOptions(
-        max_to_keep=keep_last if keep_last > 0 else None,
-        keep_period=keep_every if keep_every > 0 else None,
+        **retention,
         enable_async_checkpointing=async_save,
         cleanup_tmp_directories=True,
         create=True,
+        temporary_path_class=temporary_path_class,
     )
-    return ocp.CheckpointManager(Path(directory).absolute(), options=options, item_names=ITEMS)
+    return ocp.CheckpointManager(directory, options=options, item_names=ITEMS)
+
+
+def is_good(directory: str | Path, step: int) -> bool:
+    """Whether checkpoint `step` was saved while no anomaly was open (meta `good`); unreadable = not good."""
+    try:
+        return bool(json.loads((Path(directory) / str(step) / "meta" / "metadata").read_text()).get("good", False))
+    except (OSError, json.JSONDecodeError):
+        return False
+
+
+class KeepNewestGood:
+    """Orbax preservation policy: keep the `n` newest good checkpoints, so a rollback always has a target."""
+
+    def __init__(self, directory: Path, n: int):
+        self.directory, self.n = directory, n
+
+    def should_preserve(self, checkpoints, *, context) -> list[bool]:
+        good = sorted((c.step for c in checkpoints if is_good(self.directory, c.step)), reverse=True)[: self.n]
+        return [c.step in good for c in checkpoints]
 
 
 def save(manager: ocp.CheckpointManager, step: int, state: Any, data_state: dict, meta: dict) -> None:

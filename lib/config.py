@@ -8,6 +8,7 @@ with one line (`ConfigError`) instead of being carried silently into training.
 from __future__ import annotations
 
 import dataclasses
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,8 @@ class ModelConfig:
     remat: str = "none"
     # float32 | bfloat16: the dtype matmuls run in; parameters stay float32.
     compute_dtype: str = "float32"
+    # Positions per chunk when computing LM head + loss (0 = all at once): bounds logits memory.
+    logits_chunk: int = 0
     init_std: float = 0.02
 
 
@@ -52,8 +55,8 @@ class SourceConfig:
 @dataclass
 class DataConfig:
     seq_len: int = 256
-    # Where prepared corpora are cached (tokenizer, shards, manifest).
-    cache_dir: str = "${oc.env:JAXPRETRAIN_CACHE,${oc.env:HOME}/.cache/jaxpretrain}"
+    # Where the built-in corpus is cached; "" = $JAXPRETRAIN_CACHE or ~/.cache/jaxpretrain.
+    cache_dir: str = ""
     sources: list[SourceConfig] = field(default_factory=lambda: [SourceConfig()])
     # Embedded-corpus knobs: cap its size so the quickstart stays quick.
     stdlib_max_bytes: int = 6_000_000
@@ -143,6 +146,57 @@ class LoggerConfig:
 
 
 @dataclass
+class FaultConfig:
+    """Deliberate faults, for tests and fire drills (docs/guard.md). Steps count optimizer steps from 1."""
+
+    # The gradient at these steps is NaN (the guard must skip them).
+    nan_grad_steps: list[int] = field(default_factory=list)
+    # The loss (and so the gradient) at these steps is multiplied by spike_scale.
+    spike_steps: list[int] = field(default_factory=list)
+    spike_scale: float = 100.0
+    # The sample in row 0 of these steps' batch is corrupt "on disk": out-of-range token ids wherever it is read.
+    corrupt_sample_steps: list[int] = field(default_factory=list)
+    # After these steps' update, noise of std poison_std lands on every weight unchecked: a bad update that
+    # got through (exercises rollback). Fires only before the run's first rollback.
+    poison_steps: list[int] = field(default_factory=list)
+    poison_std: float = 1.0
+    # Every checkpoint waits this long before it is committed, so a test can kill a run mid-save.
+    save_stall_s: float = 0.0
+
+
+@dataclass
+class GuardConfig:
+    """The training guard (lib/guard.py, lib/rollback.py): skip bad steps, quarantine data, roll back."""
+
+    enabled: bool = True
+    # Rolling mean/std of loss and grad norm over the last `window` accepted steps...
+    window: int = 100
+    # ...used for spike detection once `warmup` steps are in it.
+    warmup: int = 50
+    # A spike: value > mean + max(sigma * std, min_rel_jump * mean). Gradient norms are heavy-tailed
+    # (a clean tiny run reaches 2.2x its mean), so a grad-norm spike must also at least double it.
+    sigma: float = 6.0
+    loss_min_rel_jump: float = 0.1
+    grad_norm_min_rel_jump: float = 1.0
+    # Roll back when `rollback_skips` steps are skipped within `rollback_window` steps, when weights turn
+    # non-finite, or when the loss stays above (1 + diverge_ratio) x its pre-anomaly mean for diverge_patience steps.
+    rollback_skips: int = 3
+    rollback_window: int = 20
+    diverge_ratio: float = 0.5
+    diverge_patience: int = 10
+    # Stop with a report after this many rollbacks.
+    max_rollbacks: int = 3
+    # A step that fails this many times (across rollbacks) gets a repro bundle in <run_dir>/repro/.
+    repro_after: int = 2
+    # Health warnings: val loss rose on `overfit_evals` evals in a row while the train loss fell;
+    # the grad norm's fitted trend grew by `grad_trend_ratio` x over `grad_trend_window` steps.
+    overfit_evals: int = 3
+    grad_trend_window: int = 200
+    grad_trend_ratio: float = 3.0
+    fault: FaultConfig = field(default_factory=FaultConfig)
+
+
+@dataclass
 class Config:
     run_dir: str = "runs/${exp_name}"
     exp_name: str = "default"
@@ -152,6 +206,7 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
+    guard: GuardConfig = field(default_factory=GuardConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
 
 
@@ -162,6 +217,7 @@ _GROUP_SCHEMAS = {
     "parallel": ParallelConfig,
     "trainer": TrainerConfig,
     "logger": LoggerConfig,
+    "guard": GuardConfig,
     "plan": PlanConfig,
 }
 
@@ -178,11 +234,12 @@ def _register_schemas() -> None:
 def _check_known_keys(node: Any, schema: type, where: str) -> None:
     """Reject keys the schema does not have (`+key=value` slips past Hydra's own check)."""
     names = {f.name: f for f in dataclasses.fields(schema)}
+    hints = typing.get_type_hints(schema)  # field types are strings under `from __future__ import annotations`
     for key in node.keys():
         if key not in names:
             hint = ", ".join(sorted(names))
             raise ConfigError(f"unknown config key '{where}{key}'; valid keys here: {hint}")
-        sub = names[key].type
+        sub = hints[key]
         sub_schema = _GROUP_SCHEMAS.get(key) if where == "" else None
         if sub_schema is None and isinstance(sub, type) and dataclasses.is_dataclass(sub):
             sub_schema = sub
@@ -235,6 +292,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"model.remat={m.remat!r}: choose none, layer or selective")
     if m.compute_dtype not in ("float32", "bfloat16"):
         raise ConfigError(f"model.compute_dtype={m.compute_dtype!r}: choose float32 or bfloat16")
+    if m.logits_chunk < 0:
+        raise ConfigError(f"model.logits_chunk={m.logits_chunk} must be >= 0 (0 = no chunking)")
     if o.schedule not in ("cosine", "linear", "constant"):
         raise ConfigError(f"optim.schedule={o.schedule!r}: choose cosine, linear or constant")
     if o.accum_steps < 1 or t.batch_size % o.accum_steps:
@@ -244,8 +303,19 @@ def validate(cfg: Config) -> None:
         )
     if cfg.logger.wandb not in ("offline", "online", "disabled"):
         raise ConfigError(f"logger.wandb={cfg.logger.wandb!r}: choose offline, online or disabled")
+    g = cfg.guard
+    if g.window < 2 or not 1 <= g.warmup <= g.window:
+        raise ConfigError(f"guard.window={g.window}, guard.warmup={g.warmup}: need window>=2 and 1<=warmup<=window")
+    if min(g.rollback_skips, g.rollback_window, g.diverge_patience, g.repro_after) < 1 or g.max_rollbacks < 0:
+        raise ConfigError("guard.rollback_skips, rollback_window, diverge_patience and repro_after must be >= 1, max_rollbacks >= 0")
     if not d.sources:
         raise ConfigError("data.sources is empty; give at least one source (path=stdlib or a prepared folder)")
+    names = [s.name for s in d.sources]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"data.sources names {names} repeat; give each source its own name (losses are logged per name)")
+    for s in d.sources:
+        if not s.weight > 0:
+            raise ConfigError(f"data source '{s.name}' has weight {s.weight}; weights must be > 0 (drop the source instead)")
 
 
 def to_yaml(cfg: Config) -> str:

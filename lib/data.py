@@ -9,6 +9,7 @@ whatever the number of processes, and resuming needs nothing but the step.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +18,12 @@ import numpy as np
 
 from lib.config import DataConfig
 from lib.corpus import MANIFEST, PAD_ID, DataError, load_tokenizer, stdlib_corpus
+from lib.mixture import check_shared_tokenizer, mix_datasets
+from lib.quarantine import Identity, replace_quarantined
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("JAXPRETRAIN_CACHE") or Path.home() / ".cache" / "jaxpretrain")
 
 
 @dataclass
@@ -53,7 +60,7 @@ def resolve_corpora(cfg: DataConfig, vocab_size: int) -> list[Corpus]:
     for src in cfg.sources:
         if src.path == "stdlib":
             folder = stdlib_corpus(
-                cfg.cache_dir, seq_len=cfg.seq_len, vocab_size=vocab_size,
+                cfg.cache_dir or default_cache_dir(), seq_len=cfg.seq_len, vocab_size=vocab_size,
                 max_bytes=cfg.stdlib_max_bytes, val_percent=cfg.val_percent,
             )
         else:
@@ -61,6 +68,7 @@ def resolve_corpora(cfg: DataConfig, vocab_size: int) -> list[Corpus]:
         corpus = open_corpus(src.name, folder)
         check_compatible(corpus, cfg.seq_len, vocab_size)
         corpora.append(corpus)
+    check_shared_tokenizer(corpora)
     return corpora
 
 
@@ -114,10 +122,13 @@ def to_model_batch(rows: dict, vocab_size: int, document_mask: bool = False) -> 
     return batch
 
 
-def mixture(datasets: list[grain.MapDataset], weights: list[float]) -> grain.MapDataset:
-    if len(datasets) == 1:
-        return datasets[0]
-    return grain.MapDataset.mix(datasets, weights)
+def sample_stream(corpora: list[Corpus], cfg: DataConfig, weights: list[float] | None = None) -> grain.MapDataset:
+    """The endless training stream of single samples: position i of it is the i-th sample ever read."""
+    per_source = [
+        grain.MapDataset.source(PackedSequences(c, "train", i)).shuffle(seed=cfg.shuffle_seed).repeat(None)
+        for i, c in enumerate(corpora)
+    ]
+    return mix_datasets(per_source, weights or [1.0] * len(corpora))
 
 
 def train_batches(
@@ -129,19 +140,19 @@ def train_batches(
     process_index: int = 0,
     process_count: int = 1,
     weights: list[float] | None = None,
+    quarantined: frozenset[Identity] = frozenset(),
 ) -> grain.IterDataset:
-    """An endless, checkpointable iterator source of this process's share of each global batch."""
+    """An endless, checkpointable iterator source of this process's share of each global batch.
+
+    `quarantined` samples (lib/quarantine.py) are replaced by fixed substitutes, position by position.
+    """
     if global_batch % process_count:
         raise DataError(
             f"trainer.batch_size={global_batch} is not divisible by the {process_count} processes; "
             "make the batch a multiple of the process count"
         )
     local_batch = global_batch // process_count
-    per_source = [
-        grain.MapDataset.source(PackedSequences(c, "train", i)).shuffle(seed=cfg.shuffle_seed).repeat(None)
-        for i, c in enumerate(corpora)
-    ]
-    ds = mixture(per_source, weights or [1.0] * len(corpora))
+    ds = replace_quarantined(sample_stream(corpora, cfg, weights), quarantined)
     # Local batches j = s*P + p belong to process p at step s: contiguous rows of the global batch.
     ds = ds.batch(local_batch)[process_index::process_count]
     ds = ds.map(lambda rows: to_model_batch(rows, vocab_size, cfg.document_mask))

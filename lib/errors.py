@@ -9,8 +9,9 @@ from lib.checkpoint import CheckpointError
 from lib.config import ConfigError
 from lib.corpus import DataError
 from lib.distributed import DistributedError
+from lib.rollback import TrainingDiverged
 
-USER_ERRORS = (ConfigError, DataError, CheckpointError, DistributedError)
+USER_ERRORS = (ConfigError, DataError, CheckpointError, DistributedError, TrainingDiverged)
 
 
 def run_cli(body: Callable[[], object]) -> int:

@@ -1,7 +1,9 @@
 """The training state PyTree and the one jitted train step.
 
 `TrainState` holds everything that must survive a restart besides the data
-iterator: the model, the optimizer state, the optimizer step and the RNG key.
+iterator: the model, the optimizer state, the optimizer step, the RNG key and
+the guard's rolling statistics. `step` counts *applied* updates: a step the
+guard skips leaves it (and the LR schedule) where it was.
 `make_train_step` returns a pure `(state, batch) -> (state, metrics)` that is
 jitted once, with the old state's buffers donated.
 """
@@ -15,7 +17,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from lib.loss import next_token_loss_sum
+from lib.guard import GuardStats, StepGuard
+from lib.loss import chunked_next_token_loss_sum, next_token_loss_sum
 from lib.model import Llama
 
 Batch = dict[str, jax.Array]  # tokens [B, T] int32, mask [B, T] bool, optional segment_ids [B, T]
@@ -26,18 +29,24 @@ class TrainState(eqx.Module):
     model: Llama
     opt_state: optax.OptState
     rng: jax.Array  # raw uint32[2] key: plain data, so it checkpoints like any array
+    guard: GuardStats | None = None  # rolling loss/grad-norm statistics of the training guard (lib/guard.py)
 
 
-def init_train_state(model: Llama, optimizer: optax.GradientTransformation, seed: int) -> TrainState:
+def init_train_state(model: Llama, optimizer: optax.GradientTransformation, seed: int, guard: StepGuard | None = None) -> TrainState:
     return TrainState(
         step=jnp.zeros((), jnp.int32),
         model=model,
         opt_state=optimizer.init(model),
         rng=jax.random.PRNGKey(seed + 1),
+        guard=guard.init_stats() if guard is not None else None,
     )
 
 
 def model_loss_sum(model: Llama, batch: Batch, z_loss: float):
+    chunk = model.cfg.logits_chunk
+    if chunk:  # never materialise the full [tokens x vocab] logits
+        hidden = model.hidden(batch["tokens"], segment_ids=batch.get("segment_ids"))
+        return chunked_next_token_loss_sum(hidden, model.head_weight(), batch["tokens"], batch["mask"], chunk, z_loss)
     logits = model(batch["tokens"], segment_ids=batch.get("segment_ids"))
     return next_token_loss_sum(logits, batch["tokens"], batch["mask"], z_loss)
 
@@ -81,19 +90,27 @@ def make_train_step(
     schedule: optax.Schedule,
     accum_steps: int = 1,
     z_loss: float = 0.0,
+    guard: StepGuard | None = None,
     model_view: Callable[[Llama], Llama] = same_model,
 ) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
-    """`model_view` is what the forward pass runs (lib/sharding.py pins activation shardings this way,
+    """The jitted step; with a `guard`, a bad step is skipped (state kept bitwise) instead of applied.
+
+    `model_view` is what the forward pass runs (lib/sharding.py pins activation shardings this way,
     from outside the model); gradients flow back to the stored model."""
 
     def train_step(state: TrainState, batch: Batch):
         (loss, grads), valid = accumulated_grads(state.model, batch, accum_steps, z_loss, model_view)
+        if guard is not None:
+            loss, grads = guard.inject_faults(state.guard, loss, grads)
         # Clipping happens inside the optimizer chain, after accumulation; this is the pre-clip norm.
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.model)
         model = eqx.apply_updates(state.model, updates)
-        new_state = TrainState(step=state.step + 1, model=model, opt_state=opt_state, rng=jax.random.split(state.rng)[0])
+        new_state = TrainState(step=state.step + 1, model=model, opt_state=opt_state, rng=jax.random.split(state.rng)[0], guard=state.guard)
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state.step), "valid_tokens": valid}
+        if guard is not None:
+            new_state, guard_metrics = guard.keep_or_skip(state, new_state, loss, grad_norm)
+            metrics |= guard_metrics
         return new_state, metrics
 
     return jax.jit(train_step, donate_argnums=0)
