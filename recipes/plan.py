@@ -90,7 +90,7 @@ def plan(cfg: Config) -> dict:
         print(sharding.format_plan(sharding.plan_rows(state, shardings)), file=sys.stderr)
 
     schedule = lr_schedule(cfg.optim, cfg.trainer.steps)
-    step = make_train_step(optimizer, schedule, cfg.optim.accum_steps, cfg.optim.z_loss, sharding.fsdp_model_view(mesh))
+    step = make_train_step(optimizer, schedule, cfg.optim.accum_steps, cfg.optim.z_loss, model_view=sharding.fsdp_model_view(mesh))
     t0 = time.perf_counter()
     compiled = sharding.keep_state_sharding(step, state, mesh).lower(state, abstract_batch(cfg, sharding.batch_sharding(mesh))).compile()
     compile_s = time.perf_counter() - t0
