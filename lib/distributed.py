@@ -179,15 +179,20 @@ def _join_rendezvous(host: str, port: int, spec: ClusterSpec, timeout_s: float) 
             except OSError:
                 line = ""
         if not line:
-            raise DistributedError(f"the coordinator {host}:{port - 1} closed the connection without an answer; see process 0's error")
+            raise DistributedError(f"the coordinator {host} (process 0) closed the connection without an answer; see its error")
         answer = json.loads(line)
         if answer.get("ok"):
             return
         raise DistributedError(answer.get("error", "the coordinator refused this process"))
     raise DistributedError(
-        f"cannot reach the coordinator {host}:{port - 1} (process 0) within {timeout_s:.0f}s; "
+        f"cannot reach the coordinator {host} (process 0, rendezvous port {port}) within {timeout_s:.0f}s; "
         "start process 0, check parallel.coordinator / JAX_COORDINATOR_ADDRESS and firewalls, or raise parallel.init_timeout_s"
     )
+
+
+def rendezvous_port(coordinator_port: int) -> int:
+    """The pre-flight port: the coordinator's + 1 (- 1 at the top of the range); every process agrees."""
+    return coordinator_port + 1 if coordinator_port < 65535 else coordinator_port - 1
 
 
 def initialize(cfg: ParallelConfig) -> ClusterSpec | None:
@@ -199,7 +204,7 @@ def initialize(cfg: ParallelConfig) -> ClusterSpec | None:
         jax.distributed.initialize(initialization_timeout=cfg.init_timeout_s)
         return spec
     host, port = spec.coordinator.rsplit(":", 1)
-    check_port = int(port) + 1
+    check_port = rendezvous_port(int(port))
     if spec.num_processes > 1:
         if spec.process_id == 0:
             _serve_rendezvous(check_port, spec, cfg.init_timeout_s)

@@ -10,10 +10,13 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+LAUNCH_VARIABLES = ("JAX_NUM_CPU_DEVICES", "JAX_PLATFORMS", "JAX_COORDINATOR", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID",
+                    "JAX_LOCAL_DEVICE_IDS", "SLURM_", "TPU_")
 
 
 def subprocess_env(devices: int | None = None, jax_cache: Path | None = None, **extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "SLURM_", "TPU_"))}
+    # Drop what says how many devices or processes there are; keep e.g. the suite's compilation cache.
+    env = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCH_VARIABLES)}
     env["JAX_PLATFORMS"] = "cpu"
     if devices:
         env["JAX_NUM_CPU_DEVICES"] = str(devices)

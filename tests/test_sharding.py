@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
+from pathlib import Path
 
 import equinox as eqx
 import jax
@@ -105,7 +107,9 @@ def pretrain_args(run_dir, cache, *extra):
 def runs(tmp_path_factory):
     """From scratch: 1 device, 8 devices, and 2 processes x 4 devices (launch/local.py), run concurrently."""
     root = tmp_path_factory.mktemp("fsdp")
-    cache, jax_cache = root / "data", root / "jax-cache"
+    cache = root / "data"
+    # The suite's persistent compilation cache (tests/conftest.py) if there is one: reruns skip compiling.
+    jax_cache = Path(os.environ.get("JAX_COMPILATION_CACHE_DIR") or root / "jax-cache")
     stdlib_corpus(cache, seq_len=32, vocab_size=512, max_bytes=300_000, val_percent=5)  # once, before the runs
     dirs = {name: root / name for name in ("single", "fsdp8", "local2x4")}
     procs = {
