@@ -35,6 +35,7 @@ from lib.metrics import read_metrics  # noqa: E402
 from lib.model import Llama  # noqa: E402
 from lib.optim import make_optimizer  # noqa: E402
 from lib.pipeline import Pipeline  # noqa: E402
+from lib.guard import StepGuard  # noqa: E402
 from lib.train_state import init_train_state, model_loss_sum  # noqa: E402
 from recipes import pretrain  # noqa: E402
 
@@ -101,8 +102,9 @@ def initial_states(name: str):
     cfg = load_config(BASE + PIPELINES[name])
     pipe = Pipeline(cfg)
     optimizer = make_optimizer(cfg.optim, Llama(cfg.model, jax.random.PRNGKey(0)), cfg.trainer.steps)
-    single = init_train_state(Llama(cfg.model, jax.random.PRNGKey(0)), optimizer, 0)
-    placed = pipe.init_state(lambda: init_train_state(Llama(cfg.model, jax.random.PRNGKey(0)), optimizer, 0))
+    guard = StepGuard(cfg.guard) if cfg.guard.enabled else None  # the recipe's checkpoints hold the guard's state
+    single = init_train_state(Llama(cfg.model, jax.random.PRNGKey(0)), optimizer, 0, guard)
+    placed = pipe.init_state(lambda: init_train_state(Llama(cfg.model, jax.random.PRNGKey(0)), optimizer, 0, guard))
     return single, placed
 
 
