@@ -13,9 +13,14 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 
+def _at_least_f32(x):
+    # fp32 for the softmax even under bf16; float64 passes through for gradient checks.
+    return x.astype(jnp.promote_types(x.dtype, jnp.float32))
+
+
 def token_nll(logits: Float[Array, "... v"], targets: Int[Array, "..."]) -> Float[Array, "..."]:
     """-ln p(target) per position, from a fused log-softmax (logsumexp - logit), in fp32."""
-    logits = logits.astype(jnp.float32)
+    logits = _at_least_f32(logits)
     lse = jax.nn.logsumexp(logits, axis=-1)
     target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
     return lse - target_logit
@@ -34,7 +39,7 @@ def next_token_loss_sum(
 ) -> tuple[Float[Array, ""], Int[Array, ""]]:
     """Sum of next-token NLL (plus optional z-loss) over valid targets, and their count."""
     targets, valid = shift_for_next_token(tokens, mask)
-    logits = logits[:, :-1].astype(jnp.float32)
+    logits = _at_least_f32(logits[:, :-1])
     nll = token_nll(logits, targets)
     if z_loss:
         # z-loss keeps log Z near 0 so the softmax stays well conditioned (PaLM).
