@@ -53,8 +53,8 @@ def reference_forward(ref, tokens: np.ndarray, mask: np.ndarray) -> dict[str, np
     for i, layer in enumerate(ref.model.layers):
         hooks.append(layer.register_forward_hook(lambda m, inp, o, i=i: captured.__setitem__(f"layer{i}", _hidden(o))))
     try:
-        ids = torch.as_tensor(np.asarray(tokens), dtype=torch.long)
-        labels = torch.where(torch.as_tensor(np.asarray(mask)), ids, torch.full_like(ids, -100))  # -100: HF's "no target"
+        ids = torch.tensor(np.asarray(tokens), dtype=torch.long)
+        labels = torch.where(torch.tensor(np.asarray(mask)), ids, torch.full_like(ids, -100))  # -100: HF's "no target"
         out = ref(input_ids=ids, labels=labels)
     finally:
         for h in hooks:
@@ -62,7 +62,7 @@ def reference_forward(ref, tokens: np.ndarray, mask: np.ndarray) -> dict[str, np
     as_np = lambda t: t.detach().float().numpy()  # noqa: E731
     layers = np.stack([as_np(captured[f"layer{i}"]) for i in range(len(ref.model.layers))])
     return {"embed": as_np(captured["embed"]), "layers": layers, "hidden": as_np(captured["hidden"]),
-            "logits": as_np(out.logits), "loss": float(out.loss), "_loss_tensor": out.loss}
+            "logits": as_np(out.logits), "loss": float(out.loss.detach()), "_loss_tensor": out.loss}
 
 
 def reference_grads(ref, cfg: ModelConfig, tokens: np.ndarray, mask: np.ndarray) -> tuple[float, dict[str, np.ndarray]]:

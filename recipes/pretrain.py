@@ -24,6 +24,7 @@ from lib.metrics import MetricsWriter, flops_per_token, peak_flops_per_device, p
 from lib.model import Llama, count_params
 from lib.optim import lr_schedule, make_optimizer
 from lib.train_state import init_train_state, make_eval_step, make_train_step
+from lib.weights import adopt_init_architecture, load_model
 
 HOST_ONLY_KEYS = ("source", "index")  # sample identity stays on the host (for logs), not on the device
 
@@ -47,6 +48,7 @@ def keep_metrics_up_to(run_dir: Path, step: int) -> None:
 
 
 def train(cfg: Config) -> dict:
+    cfg = adopt_init_architecture(cfg)  # trainer.init_from, when set, decides the model's shape
     run_dir = Path(cfg.run_dir)
     is_main = jax.process_index() == 0
     if is_main:
@@ -80,6 +82,10 @@ def train(cfg: Config) -> dict:
         if is_main:
             keep_metrics_up_to(run_dir, start)
             print(f"resumed from {manager.directory}/{latest} (step {start})", file=sys.stderr)
+    elif cfg.trainer.init_from:
+        state = init_train_state(load_model(cfg.trainer.init_from, cfg.model), optimizer, cfg.trainer.seed)
+        if is_main:
+            print(f"initial weights from {cfg.trainer.init_from}", file=sys.stderr)
 
     train_step = make_train_step(optimizer, schedule, cfg.optim.accum_steps, cfg.optim.z_loss)
     eval_step = make_eval_step()
