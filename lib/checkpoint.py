@@ -15,6 +15,8 @@ read onto 1 (or the other way) and is resharded on the fly.
 from __future__ import annotations
 
 import json
+import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +30,24 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used; the message names the fix."""
 
 
+TMP_MARKER = ".orbax-checkpoint-tmp"
+
+
+def remove_incomplete_steps(directory: str | Path) -> list[str]:
+    """Delete the temporary folders a killed save leaves behind (Orbax renames complete ones)."""
+    directory = Path(directory)
+    if jax.process_index() != 0 or not directory.is_dir():
+        return []
+    stale = [p for p in directory.iterdir() if TMP_MARKER in p.name]
+    for p in stale:
+        shutil.rmtree(p, ignore_errors=True)
+    return [p.name for p in stale]
+
+
 def open_manager(directory: str | Path, *, keep_last: int, keep_every: int = 0, async_save: bool = True) -> ocp.CheckpointManager:
+    removed = remove_incomplete_steps(directory)
+    if removed:
+        print(f"removed incomplete checkpoint folders: {', '.join(removed)}", file=sys.stderr)
     options = ocp.CheckpointManagerOptions(
         max_to_keep=keep_last if keep_last > 0 else None,
         keep_period=keep_every if keep_every > 0 else None,

@@ -36,6 +36,8 @@ class ModelConfig:
     remat: str = "none"
     # float32 | bfloat16: the dtype matmuls run in; parameters stay float32.
     compute_dtype: str = "float32"
+    # Positions per chunk when computing LM head + loss (0 = all at once): bounds logits memory.
+    logits_chunk: int = 0
     init_std: float = 0.02
 
 
@@ -52,8 +54,8 @@ class SourceConfig:
 @dataclass
 class DataConfig:
     seq_len: int = 256
-    # Where prepared corpora are cached (tokenizer, shards, manifest).
-    cache_dir: str = "${oc.env:JAXPRETRAIN_CACHE,${oc.env:HOME}/.cache/jaxpretrain}"
+    # Where the built-in corpus is cached; "" = $JAXPRETRAIN_CACHE or ~/.cache/jaxpretrain.
+    cache_dir: str = ""
     sources: list[SourceConfig] = field(default_factory=lambda: [SourceConfig()])
     # Embedded-corpus knobs: cap its size so the quickstart stays quick.
     stdlib_max_bytes: int = 6_000_000
@@ -210,6 +212,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"model.remat={m.remat!r}: choose none, layer or selective")
     if m.compute_dtype not in ("float32", "bfloat16"):
         raise ConfigError(f"model.compute_dtype={m.compute_dtype!r}: choose float32 or bfloat16")
+    if m.logits_chunk < 0:
+        raise ConfigError(f"model.logits_chunk={m.logits_chunk} must be >= 0 (0 = no chunking)")
     if o.schedule not in ("cosine", "linear", "constant"):
         raise ConfigError(f"optim.schedule={o.schedule!r}: choose cosine, linear or constant")
     if o.accum_steps < 1 or t.batch_size % o.accum_steps:

@@ -9,6 +9,7 @@ whatever the number of processes, and resuming needs nothing but the step.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +18,10 @@ import numpy as np
 
 from lib.config import DataConfig
 from lib.corpus import MANIFEST, PAD_ID, DataError, load_tokenizer, stdlib_corpus
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("JAXPRETRAIN_CACHE") or Path.home() / ".cache" / "jaxpretrain")
 
 
 @dataclass
@@ -53,7 +58,7 @@ def resolve_corpora(cfg: DataConfig, vocab_size: int) -> list[Corpus]:
     for src in cfg.sources:
         if src.path == "stdlib":
             folder = stdlib_corpus(
-                cfg.cache_dir, seq_len=cfg.seq_len, vocab_size=vocab_size,
+                cfg.cache_dir or default_cache_dir(), seq_len=cfg.seq_len, vocab_size=vocab_size,
                 max_bytes=cfg.stdlib_max_bytes, val_percent=cfg.val_percent,
             )
         else:

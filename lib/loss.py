@@ -59,3 +59,46 @@ def perplexity(mean_nll):
 
 def mse(pred, target):
     return jnp.mean(jnp.square(pred - target))
+
+
+def chunked_next_token_loss_sum(
+    hidden: Float[Array, "b t d"],
+    head: Float[Array, "d v"],
+    tokens: Int[Array, "b t"],
+    mask: Bool[Array, "b t"],
+    chunk_tokens: int,
+    z_loss: float = 0.0,
+) -> tuple[Float[Array, ""], Int[Array, ""]]:
+    """`next_token_loss_sum(hidden @ head, ...)` without ever holding all [tokens x vocab] logits.
+
+    The LM head and the loss run over `chunk_tokens` positions at a time inside a
+    scan whose body is rematerialised, so forward *and* backward keep one chunk's
+    logits alive: memory grows with chunk x vocab instead of batch x seq x vocab.
+    """
+    targets, valid = shift_for_next_token(tokens, mask)
+    h = hidden[:, :-1].reshape(-1, hidden.shape[-1])
+    targets, valid = targets.reshape(-1), valid.reshape(-1)
+    pad = -h.shape[0] % chunk_tokens
+    h = jnp.pad(h, ((0, pad), (0, 0)))
+    targets = jnp.pad(targets, (0, pad))
+    valid = jnp.pad(valid, (0, pad))
+    n_chunks = h.shape[0] // chunk_tokens
+
+    @jax.checkpoint
+    def chunk_loss(h_c, t_c, v_c):
+        logits = (h_c @ head.astype(h_c.dtype)).astype(jnp.float32)
+        nll = token_nll(logits, t_c)
+        if z_loss:
+            nll = nll + z_loss * jnp.square(jax.nn.logsumexp(logits, axis=-1))
+        return jnp.where(v_c, nll, 0.0).sum()
+
+    def body(total, xs):
+        return total + chunk_loss(*xs), None
+
+    chunks = (
+        h.reshape(n_chunks, chunk_tokens, -1),
+        targets.reshape(n_chunks, chunk_tokens),
+        valid.reshape(n_chunks, chunk_tokens),
+    )
+    total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32), chunks)
+    return total, valid.sum()

@@ -43,7 +43,7 @@ def weight_decay_mask(params, decay_embeddings: bool):
         name = _leaf_name(path)
         if "norm" in name or name.endswith("bias"):
             return False
-        if name in ("embed", "lm_head"):
+        if name == "embed":  # the input table; the output projection decays like any matrix
             return decay_embeddings
         return leaf.ndim >= 2
 

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from lib.loss import next_token_loss_sum
+from lib.loss import chunked_next_token_loss_sum, next_token_loss_sum
 from lib.model import Llama
 
 Batch = dict[str, jax.Array]  # tokens [B, T] int32, mask [B, T] bool, optional segment_ids [B, T]
@@ -38,6 +38,10 @@ def init_train_state(model: Llama, optimizer: optax.GradientTransformation, seed
 
 
 def model_loss_sum(model: Llama, batch: Batch, z_loss: float):
+    chunk = model.cfg.logits_chunk
+    if chunk:  # never materialise the full [tokens x vocab] logits
+        hidden = model.hidden(batch["tokens"], segment_ids=batch.get("segment_ids"))
+        return chunked_next_token_loss_sum(hidden, model.head_weight(), batch["tokens"], batch["mask"], chunk, z_loss)
     logits = model(batch["tokens"], segment_ids=batch.get("segment_ids"))
     return next_token_loss_sum(logits, batch["tokens"], batch["mask"], z_loss)
 
@@ -78,7 +82,7 @@ def make_train_step(
     def train_step(state: TrainState, batch: Batch):
         (loss, grads), valid = accumulated_grads(state.model, batch, accum_steps, z_loss)
         # Clipping happens inside the optimizer chain, after accumulation; this is the pre-clip norm.
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.model)
         model = eqx.apply_updates(state.model, updates)
         new_state = TrainState(step=state.step + 1, model=model, opt_state=opt_state, rng=jax.random.split(state.rng)[0])

@@ -1,0 +1,42 @@
+"""The benchmark races the same model: the PyTorch twin computes our model's loss on our weights."""
+
+import jax
+import numpy as np
+import pytest
+
+from lib.config import ModelConfig
+from lib.loss import valid_token_mean
+from lib.model import Llama
+
+torch = pytest.importorskip("torch")
+
+CFG = ModelConfig(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, vocab_size=40)
+
+
+def copy_into_torch(model: Llama, twin) -> None:
+    t = lambda x: torch.from_numpy(np.asarray(x).copy())
+    with torch.no_grad():
+        twin.embed.weight.copy_(t(model.embed))
+        twin.lm_head.weight.copy_(t(model.lm_head).T)
+        twin.final_norm.weight.copy_(t(model.final_norm.weight))
+        for i, block in enumerate(twin.blocks):
+            b = jax.tree.map(lambda x: x[i], model.blocks)
+            block.attn_norm.weight.copy_(t(b.attn_norm.weight))
+            block.mlp_norm.weight.copy_(t(b.mlp_norm.weight))
+            for name, w in (("wq", b.attn.wq), ("wk", b.attn.wk), ("wv", b.attn.wv), ("wo", b.attn.wo),
+                            ("w_gate", b.mlp.w_gate), ("w_up", b.mlp.w_up), ("w_down", b.mlp.w_down)):
+                getattr(block, name).weight.copy_(t(w).T)  # torch Linear stores [out, in]
+
+
+def test_torch_twin_matches_the_jax_model():
+    from recipes.torch_llama import TorchLlama
+
+    model = Llama(CFG, jax.random.PRNGKey(0))
+    twin = TorchLlama(CFG)
+    copy_into_torch(model, twin)
+    tokens = np.random.default_rng(0).integers(0, CFG.vocab_size, (2, 10)).astype(np.int32)
+    ours = np.asarray(model(tokens))
+    theirs = twin(torch.from_numpy(tokens).long()).detach().numpy()
+    np.testing.assert_allclose(theirs, ours, atol=2e-5)
+    loss = float(valid_token_mean(ours, tokens, np.ones_like(tokens, bool)))
+    assert np.isfinite(loss)
