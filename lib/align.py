@@ -90,9 +90,10 @@ class Setup(Protocol):
     name: str
     description: str
 
-    def forward(self, batch: dict) -> dict[str, np.ndarray]: ...  # embed, layers [L, ...], hidden, logits
+    # Batches are host numpy rows {tokens, mask[, segment_ids]}; results come back as host numpy.
+    def forward(self, rows: dict) -> dict[str, np.ndarray]: ...  # embed, layers [L, ...], hidden, logits
 
-    def loss_and_grads(self, batch: dict) -> tuple[float, dict[str, np.ndarray]]: ...
+    def loss_and_grads(self, rows: dict) -> tuple[float, dict[str, np.ndarray]]: ...  # grads named by leaf path
 
     def train(self, batches: list[dict]) -> tuple[list[float], dict[str, np.ndarray]] | None: ...  # None: cannot train
 
@@ -132,31 +133,42 @@ def _optimizer_and_step(cfg: Config, model: Llama):
     return _STEPS[key]
 
 
-class SingleDeviceSetup:
-    """The training code as `recipes.pretrain` runs it on one device: same gradient function, same jitted step."""
+class JaxSetup:
+    """The training code as `recipes.pretrain` runs it: the same gradient function and the same jitted step.
 
-    def __init__(self, name: str, cfg: Config, model: Llama):
-        self.name, self.cfg, self.model = name, cfg, model
+    A layout is four hooks (defaults: one device, nothing sharded), the same ones a recipe's
+    placement provides: `place_state` puts the TrainState where it lives, `place_batch` turns host
+    rows into device arrays, `view` is the model as the forward pass sees it, `wrap_step` keeps
+    the step's shardings. Batches arrive as host numpy rows.
+    """
+
+    def __init__(self, name: str, cfg: Config, model: Llama, *, place_state: Callable = lambda s: s,
+                 place_batch: Callable = jax.device_put, view: Callable = lambda m: m,
+                 wrap_step: Callable = lambda step, state: step, layout: str = "one device"):
+        self.name, self.cfg = name, cfg
+        self.place_state, self.place_batch, self.view, self.wrap_step = place_state, place_batch, view, wrap_step
+        self.optimizer, self.step = _optimizer_and_step(cfg, model)
+        self.state = place_state(init_train_state(model, self.optimizer, cfg.trainer.seed))
         m, o = cfg.model, cfg.optim
-        self.description = f"parallel={cfg.parallel.name} compute={m.compute_dtype} remat={m.remat} accum={o.accum_steps}"
+        self.description = f"parallel={cfg.parallel.name} ({layout}) compute={m.compute_dtype} remat={m.remat} accum={o.accum_steps}"
 
-    def forward(self, batch):
-        out = _forward(self.model, batch["tokens"], batch.get("segment_ids"))
+    def forward(self, rows):
+        batch = self.place_batch(rows)
+        out = _forward(self.view(self.state.model), batch["tokens"], batch.get("segment_ids"))
         return {k: np.asarray(v, np.float32) for k, v in out.items()}
 
-    def loss_and_grads(self, batch):
-        loss, grads = _loss_and_grads(self.model, batch, self.cfg.optim.accum_steps, self.cfg.optim.z_loss)
+    def loss_and_grads(self, rows):
+        loss, grads = _loss_and_grads(self.view(self.state.model), self.place_batch(rows), self.cfg.optim.accum_steps, self.cfg.optim.z_loss)
         return float(loss), named_leaves(grads)
 
     def train(self, batches):
-        cfg = self.cfg
-        optimizer, step = _optimizer_and_step(cfg, self.model)
-        before = named_leaves(self.model)
-        # The step donates its state: train a copy so self.model stays usable.
-        state = init_train_state(jax.tree.map(jnp.copy, self.model), optimizer, cfg.trainer.seed)
+        before = named_leaves(self.state.model)
+        # The step donates its state: train a copy so self.state stays usable.
+        state = jax.tree.map(jnp.copy, self.state)
+        step = self.wrap_step(self.step, state)
         losses, update = [], {}
-        for i, batch in enumerate(batches):
-            state, metrics = step(state, batch)
+        for i, rows in enumerate(batches):
+            state, metrics = step(state, self.place_batch(rows))
             losses.append(float(metrics["loss"]))
             if i == 0:
                 update = {k: v - before[k] for k, v in named_leaves(state.model).items()}
@@ -190,7 +202,7 @@ class HFReferenceSetup:
         return None  # no optax-identical optimizer on the torch side
 
 
-SETUP_BUILDERS: dict[str, Callable[[str, Config, Llama], Setup]] = {"single": SingleDeviceSetup}
+SETUP_BUILDERS: dict[str, Callable[[str, Config, Llama], Setup]] = {"single": JaxSetup}
 
 
 def build_setup(name: str, cfg: Config, model: Llama) -> Setup:

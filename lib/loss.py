@@ -86,7 +86,7 @@ def chunked_next_token_loss_sum(
 
     @jax.checkpoint
     def chunk_loss(h_c, t_c, v_c):
-        logits = (h_c @ head.astype(h_c.dtype)).astype(jnp.float32)
+        logits = _at_least_f32(h_c @ head.astype(h_c.dtype))
         nll = token_nll(logits, t_c)
         if z_loss:
             nll = nll + z_loss * jnp.square(jax.nn.logsumexp(logits, axis=-1))
@@ -100,5 +100,5 @@ def chunked_next_token_loss_sum(
         targets.reshape(n_chunks, chunk_tokens),
         valid.reshape(n_chunks, chunk_tokens),
     )
-    total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32), chunks)
+    total, _ = jax.lax.scan(body, jnp.zeros((), _at_least_f32(h).dtype), chunks)
     return total, valid.sum()

@@ -90,7 +90,7 @@ def first_batches(cfg: Config, n: int) -> list[dict]:
     corpora = resolve_corpora(cfg.data, cfg.model.vocab_size)
     it = iter(train_batches(corpora, cfg.data, global_batch=cfg.trainer.batch_size, vocab_size=cfg.model.vocab_size,
                             weights=[s.weight for s in cfg.data.sources]))
-    return [{k: jax.numpy.asarray(v) for k, v in next(it).items() if k not in HOST_ONLY_KEYS} for _ in range(n)]
+    return [{k: v for k, v in next(it).items() if k not in HOST_ONLY_KEYS} for _ in range(n)]
 
 
 def run(argv: list[str]) -> bool:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,7 +11,8 @@ import pytest
 
 from lib.config import ModelConfig
 from lib.gradcheck import GradCheckError, assert_gradcheck, gradcheck
-from lib.loss import valid_token_mean
+from lib.train_state import model_loss_sum
+from tests.fast_init import random_module
 from lib.model import Attention, Block, Llama, RMSNorm, SwiGLU, attention_in_double, attention_mask, rope_tables
 
 # float64 weights; init_std large enough that every non-linearity (softmax, SiLU, RMSNorm) is exercised.
@@ -20,21 +20,8 @@ CFG = ModelConfig(d_model=16, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=24, voca
 B, T = 2, 6
 
 
-def randomise_norms(module, seed=1):
-    """Norm scales start at 1; make them random so a wrong scale gradient cannot hide."""
-    rng = np.random.default_rng(seed)
-
-    def visit(path, leaf):
-        name = jax.tree_util.keystr(path)
-        if "norm" in name and eqx.is_array(leaf):
-            return leaf + 0.3 * jnp.asarray(rng.standard_normal(leaf.shape), leaf.dtype)
-        return leaf
-
-    return jax.tree_util.tree_map_with_path(visit, module)
-
-
 def inputs(seed=0):
-    return jax.random.normal(jax.random.PRNGKey(seed), (B, T, CFG.d_model), jnp.float32)
+    return jnp.asarray(np.random.default_rng(seed).standard_normal((B, T, CFG.d_model)), jnp.float32)
 
 
 def context():
@@ -44,45 +31,52 @@ def context():
 
 
 def test_rmsnorm():
-    norm = randomise_norms(RMSNorm(CFG.d_model, CFG.norm_eps))
+    norm = random_module(RMSNorm, CFG.d_model, CFG.norm_eps, norm_noise=0.3)
     assert_gradcheck(lambda m, x: m(x), norm, inputs(), name="RMSNorm")
 
 
 def test_attention_gqa():
-    attn = Attention(CFG, jax.random.PRNGKey(1))
+    attn = random_module(Attention, CFG, seed=1, std=CFG.init_std)
     cos, sin, mask = context()
     assert_gradcheck(lambda m, x: m(x, cos, sin, mask), attn, inputs(), name="Attention")
 
 
 def test_swiglu():
-    assert_gradcheck(lambda m, x: m(x), SwiGLU(CFG, jax.random.PRNGKey(2)), inputs(), name="SwiGLU")
+    assert_gradcheck(lambda m, x: m(x), random_module(SwiGLU, CFG, seed=2, std=CFG.init_std), inputs(), name="SwiGLU")
 
 
 def test_block():
-    block = randomise_norms(Block(CFG, jax.random.PRNGKey(3)))
+    block = random_module(Block, CFG, seed=3, std=CFG.init_std, norm_noise=0.3)
     cos, sin, mask = context()
     assert_gradcheck(lambda m, x: m(x, cos, sin, mask), block, inputs(), name="Block")
 
 
 def tokens_and_mask():
-    tokens = jax.random.randint(jax.random.PRNGKey(4), (B, T), 1, CFG.vocab_size)
+    tokens = jnp.asarray(np.random.default_rng(4).integers(1, CFG.vocab_size, (B, T)), jnp.int32)
     mask = jnp.ones((B, T), bool).at[1, -2:].set(False)  # a padded tail: masked targets must get no gradient
     return tokens, mask
 
 
 def test_llama_logits():
-    model = randomise_norms(Llama(CFG, jax.random.PRNGKey(5)))
+    model = random_module(Llama, CFG, seed=5, std=CFG.init_std, norm_noise=0.3)
     tokens, _ = tokens_and_mask()
     result = assert_gradcheck(lambda m: m(tokens), model, name="Llama logits")
     assert result.dtype == "float64" and len(result.directions) == 4
 
 
-def test_full_loss_tied_with_remat():
-    """The loss through a tied embedding (two gradient paths into one matrix), remat and z-loss."""
-    cfg = dataclasses.replace(CFG, tie_embeddings=True, remat="layer")
-    model = randomise_norms(Llama(cfg, jax.random.PRNGKey(6)))
+def test_full_training_loss():
+    """The train step's own loss (lib.train_state.model_loss_sum) through tied embeddings (two gradient
+    paths into one matrix), z-loss and padded targets. The chunked LM head's gradient equals this path's
+    (tests/test_loss.py), so it is not checked again here."""
+    cfg = dataclasses.replace(CFG, tie_embeddings=True)
+    model = random_module(Llama, cfg, seed=6, std=CFG.init_std, norm_noise=0.3)
     tokens, mask = tokens_and_mask()
-    assert_gradcheck(lambda m: valid_token_mean(m(tokens), tokens, mask, z_loss=1e-2), model, name="loss")
+
+    def loss(m):
+        total, count = model_loss_sum(m, {"tokens": tokens, "mask": mask}, 1e-2)  # with z-loss
+        return total / count
+
+    assert_gradcheck(loss, model, name="training loss")
 
 
 @jax.custom_vjp

@@ -13,6 +13,7 @@ from lib.checkpoint import CheckpointError
 from lib.config import ModelConfig
 from lib.hf import load_llama, logits, save_llama
 from lib.model import Llama
+from tests.fast_init import random_module
 
 SMALL = ModelConfig(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48, vocab_size=61, rope_theta=5000.0, norm_eps=1e-6)
 
@@ -41,7 +42,7 @@ def assert_same_model(a: Llama, b: Llama):
 
 
 def test_export_import_round_trip_sharded(tmp_path):
-    model = Llama(SMALL, jax.random.PRNGKey(0))
+    model = random_module(Llama, SMALL, seed=0)
     save_llama(model, SMALL, tmp_path / "one")
     save_llama(model, SMALL, tmp_path / "sharded", max_shard_bytes=20_000)
     index = json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())
@@ -54,7 +55,7 @@ def test_export_import_round_trip_sharded(tmp_path):
 
 
 def test_bfloat16_export_rounds_once(tmp_path):
-    model = Llama(SMALL, jax.random.PRNGKey(1))
+    model = random_module(Llama, SMALL, seed=1)
     save_llama(model, SMALL, tmp_path / "bf16", dtype="bfloat16")
     back, _ = load_llama(tmp_path / "bf16")
     save_llama(back, SMALL, tmp_path / "again", dtype="bfloat16")
@@ -63,7 +64,7 @@ def test_bfloat16_export_rounds_once(tmp_path):
 
 
 def test_logits_api_shapes_and_checks(tmp_path):
-    model = Llama(SMALL, jax.random.PRNGKey(2))
+    model = random_module(Llama, SMALL, seed=2)
     out = logits(model, np.zeros((2, 5), np.int64))
     assert out.shape == (2, 5, SMALL.vocab_size) and out.dtype == np.float32
     with pytest.raises(ValueError, match="token ids"):
@@ -73,7 +74,7 @@ def test_logits_api_shapes_and_checks(tmp_path):
 
 
 def test_import_errors_are_one_line_and_name_the_fix(tmp_path):
-    model = Llama(SMALL, jax.random.PRNGKey(3))
+    model = random_module(Llama, SMALL, seed=3)
     folder = save_llama(model, SMALL, tmp_path / "m")
     with pytest.raises(CheckpointError, match="already holds a model"):
         save_llama(model, SMALL, folder)  # never clobber an existing checkpoint by accident
