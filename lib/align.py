@@ -248,6 +248,7 @@ class Row:
     max_abs: float
     tolerance: float
     skipped: str = ""  # why the row could not be compared
+    values: tuple[float, float] | None = None  # (a, b) for scalar rows: the loss itself
 
     @property
     def ok(self) -> bool:
@@ -343,7 +344,7 @@ def compare(a: Setup, b: Setup, batches: list[dict], tol: Tolerances) -> list[Ro
 
     loss_a, grads_a = a.loss_and_grads(batches[0])
     loss_b, grads_b = b.loss_and_grads(batches[0])
-    rows.append(Row("loss", "loss", *relative_error(loss_a, loss_b), tol.loss))
+    rows.append(Row("loss", "loss", *relative_error(loss_a, loss_b), tol.loss, values=(loss_a, loss_b)))
     rows += _leaf_rows("grads", grads_a, grads_b, tol.grads)
 
     ta, tb = a.train(batches), b.train(batches)
@@ -355,7 +356,7 @@ def compare(a: Setup, b: Setup, batches: list[dict], tol: Tolerances) -> list[Ro
     (curve_a, update_a), (curve_b, update_b) = ta, tb
     rows += _leaf_rows("update", update_a, update_b, tol.update)
     for i, (la, lb) in enumerate(zip(curve_a, curve_b)):
-        rows.append(Row("curve", f"step {i + 1} loss {la:.4f} vs {lb:.4f}", *relative_error(la, lb), tol.curve))
+        rows.append(Row("curve", f"step {i + 1} loss {la:.4f} vs {lb:.4f}", *relative_error(la, lb), tol.curve, values=(la, lb)))
     return rows
 
 

@@ -7,9 +7,13 @@ import json
 import pytest
 
 from lib.align import PROFILES, Row, relative_error
-from lib.config import ConfigError
-from recipes.align import main, split_args
+from lib.config import ConfigError, load_config
+from lib.hf import save_llama
+from lib.model import Llama
+from lib.train_state import model_loss_sum
+from recipes.align import first_batches, main, split_args
 from tests.conftest import smoke_overrides
+from tests.fast_init import random_module
 
 
 @pytest.fixture
@@ -68,13 +72,19 @@ def test_bf16_policy_shows_the_expected_gap(corpus, tmp_path):
     assert 1e-3 < max(r["error"] for r in forward) < PROFILES["bfloat16"].forward
 
 
-def test_against_transformers_reference(corpus, tmp_path):
+def test_against_transformers_reference_from_imported_weights(corpus, tmp_path):
+    """b=hf, both sides starting from an HF folder (align.init_from) with the smoke model's architecture."""
     pytest.importorskip("transformers")
-    code, report = run_align(corpus, tmp_path, "b=hf")
+    cfg = load_config(on_tiny_corpus(corpus, tmp_path))
+    source = random_module(Llama, cfg.model, seed=3, std=0.1, norm_noise=0.2)
+    save_llama(source, cfg.model, tmp_path / "hf")
+    code, report = run_align(corpus, tmp_path, "b=hf", f"align.init_from={tmp_path / 'hf'}")
     assert code == 0, report["first_divergence"]
     rows = {(r["stage"], r["name"]): r for r in report["rows"]}
     assert rows[("forward", "logits")]["max_abs"] <= 1e-4
     assert rows[("update", "all leaves")]["skipped"]  # transformers has no optax-identical optimizer
+    total, count = model_loss_sum(source, first_batches(cfg, 1)[0], 0.0)
+    assert rows[("loss", "loss")]["values"][0] == pytest.approx(float(total / count), rel=1e-6)  # really those weights
 
 
 def test_bad_arguments_are_user_errors(corpus, tmp_path, capsys):
