@@ -217,12 +217,12 @@ def build_setup(name: str, cfg: Config, model: Llama) -> Setup:
 
 def same_weights(model: Llama, cfg: Config) -> Llama:
     """`model`'s arrays under `cfg.model`'s static choices (remat, compute dtype): identical weights."""
-    from lib.weights import _with_execution_config, with_architecture
+    from lib.weights import ARCHITECTURE, with_execution_config
 
-    if with_architecture(cfg.model, model.cfg) != cfg.model:
-        diff = [k for k in ("d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "vocab_size", "tie_embeddings") if getattr(cfg.model, k) != getattr(model.cfg, k)]
+    diff = [k for k in ARCHITECTURE if getattr(cfg.model, k) != getattr(model.cfg, k)]
+    if diff:
         raise ConfigError(f"the two setups must share the model architecture to start from the same weights; they differ in {diff}")
-    return _with_execution_config(model, cfg.model)
+    return with_execution_config(model, cfg.model)
 
 
 def inject_fault(model: Llama, fault: str) -> Llama:

@@ -22,7 +22,6 @@ into device arrays one leaf at a time: the weights are never held twice.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from functools import reduce
 from pathlib import Path
@@ -226,16 +225,11 @@ def logits(model: Llama, tokens) -> jax.Array:
 # ----------------------------------------------------------------------------- export
 
 
-def _hf_tensors(model: Llama, cfg: ModelConfig):
-    """(HF name, zero-arg function giving the tensor in HF layout); in HF's usual file order."""
-    for theirs, (ours, layer, transpose) in hf_tensor_map(cfg).items():
-
-        def tensor(ours=ours, layer=layer, transpose=transpose):
-            leaf = _get(model, ours)
-            x = np.asarray(leaf if layer is None else leaf[layer])
-            return np.ascontiguousarray(x.T if transpose else x)
-
-        yield theirs, tensor
+def _hf_tensor(model: Llama, ours: str, layer: int | None, transpose: bool) -> np.ndarray:
+    """One tensor in HF layout, pulled to the host on its own (a layer's slice, not the whole stack)."""
+    leaf = _get(model, ours)
+    x = np.asarray(leaf if layer is None else leaf[layer])
+    return np.ascontiguousarray(x.T if transpose else x)
 
 
 def save_llama(
@@ -257,7 +251,9 @@ def save_llama(
 
     if dtype not in SAVE_DTYPES:
         raise ValueError(f"dtype={dtype!r}: choose one of {sorted(SAVE_DTYPES)}")
-    if dataclasses.replace(model.cfg, remat=cfg.remat, compute_dtype=cfg.compute_dtype) != cfg:
+    from lib.weights import ARCHITECTURE
+
+    if any(getattr(model.cfg, k) != getattr(cfg, k) for k in ARCHITECTURE):
         raise ValueError("save_llama: cfg does not describe this model; pass the model's own config (model.cfg)")
     out = Path(out_dir)
     existing = sorted(p.name for p in out.glob("*") if p.suffix == ".safetensors" or p.name in ("config.json", "model.safetensors.index.json"))
@@ -268,22 +264,22 @@ def save_llama(
     itemsize = np.dtype(np_dtype).itemsize
 
     # Plan shards by size first, then write one shard at a time: only one shard's tensors are ever on the host.
-    shards: list[list] = [[]]
+    table = hf_tensor_map(cfg)
+    shards: list[list[str]] = [[]]
     size = 0
-    for name, tensor in _hf_tensors(model, cfg):
-        ours, layer, _ = hf_tensor_map(cfg)[name]
+    for name, (ours, layer, _) in table.items():
         nbytes = int(np.prod(_get(model, ours).shape[0 if layer is None else 1:])) * itemsize
         if shards[-1] and size + nbytes > max_shard_bytes:
             shards.append([])
             size = 0
-        shards[-1].append((name, tensor))
+        shards[-1].append(name)
         size += nbytes
     for stale in list(out.glob("model*.safetensors")) + list(out.glob("model.safetensors.index.json")):
         stale.unlink()  # overwrite: a previous export with another shard count would otherwise be mixed in
     weight_map, total = {}, 0
     for i, shard in enumerate(shards):
         file = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        tensors = {name: tensor().astype(np_dtype, copy=False) for name, tensor in shard}
+        tensors = {name: _hf_tensor(model, *table[name]).astype(np_dtype, copy=False) for name in shard}
         save_file(tensors, str(out / file), metadata={"format": "pt"})
         total += sum(t.nbytes for t in tensors.values())
         weight_map.update({name: file for name in tensors})

@@ -81,11 +81,12 @@ def adopt_init_architecture(cfg: Config) -> Config:
     return dataclasses.replace(cfg, model=model)
 
 
-def _with_execution_config(model: Llama, model_cfg: ModelConfig) -> Llama:
+def with_execution_config(model: Llama, model_cfg: ModelConfig) -> Llama:
     """The same arrays under `model_cfg`'s static choices (remat, compute dtype)."""
     abstract = eqx.filter_eval_shape(Llama, model_cfg, jax.random.PRNGKey(0))
     leaves = jax.tree.leaves(model)
-    assert [x.shape for x in leaves] == [x.shape for x in jax.tree.leaves(abstract)], "architectures differ"
+    if [x.shape for x in leaves] != [x.shape for x in jax.tree.leaves(abstract)]:
+        raise ValueError("with_execution_config: model_cfg describes another architecture than the model's")
     return jax.tree.unflatten(jax.tree.structure(abstract), leaves)
 
 
@@ -105,7 +106,7 @@ def load_model(path: str | Path, model_cfg: ModelConfig, step: int | None = None
         model = _restore_weights(path, source)
     else:
         model = _restore_run_model(path, step)
-    return _with_execution_config(model, model_cfg)
+    return with_execution_config(model, model_cfg)
 
 
 def _restore_weights(path: Path, model_cfg: ModelConfig) -> Llama:
