@@ -145,6 +145,9 @@ class TrainerConfig:
     # Peak FLOP/s for MFU on hardware not in the table (CPU): 0 = measure a matmul.
     peak_flops: float = 0.0
     progress: bool = True
+    # Start from these weights (HF folder, imported weights folder or run_dir) instead of a random init;
+    # the source decides the model architecture. Ignored once run_dir has its own checkpoint.
+    init_from: str = ""
 
 
 @dataclass

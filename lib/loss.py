@@ -13,9 +13,14 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 
+def _at_least_f32(x):
+    # fp32 for the softmax even under bf16; float64 passes through for gradient checks.
+    return x.astype(jnp.promote_types(x.dtype, jnp.float32))
+
+
 def token_nll(logits: Float[Array, "... v"], targets: Int[Array, "..."]) -> Float[Array, "..."]:
     """-ln p(target) per position, from a fused log-softmax (logsumexp - logit), in fp32."""
-    logits = logits.astype(jnp.float32)
+    logits = _at_least_f32(logits)
     lse = jax.nn.logsumexp(logits, axis=-1)
     target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
     return lse - target_logit
@@ -34,7 +39,7 @@ def next_token_loss_sum(
 ) -> tuple[Float[Array, ""], Int[Array, ""]]:
     """Sum of next-token NLL (plus optional z-loss) over valid targets, and their count."""
     targets, valid = shift_for_next_token(tokens, mask)
-    logits = logits[:, :-1].astype(jnp.float32)
+    logits = _at_least_f32(logits[:, :-1])
     nll = token_nll(logits, targets)
     if z_loss:
         # z-loss keeps log Z near 0 so the softmax stays well conditioned (PaLM).
@@ -81,7 +86,7 @@ def chunked_next_token_loss_sum(
 
     @jax.checkpoint
     def chunk_loss(h_c, t_c, v_c):
-        logits = (h_c @ head.astype(h_c.dtype)).astype(jnp.float32)
+        logits = _at_least_f32(h_c @ head.astype(h_c.dtype))
         nll = token_nll(logits, t_c)
         if z_loss:
             nll = nll + z_loss * jnp.square(jax.nn.logsumexp(logits, axis=-1))
@@ -95,5 +100,5 @@ def chunked_next_token_loss_sum(
         targets.reshape(n_chunks, chunk_tokens),
         valid.reshape(n_chunks, chunk_tokens),
     )
-    total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32), chunks)
+    total, _ = jax.lax.scan(body, jnp.zeros((), _at_least_f32(h).dtype), chunks)
     return total, valid.sum()

@@ -20,7 +20,13 @@ from jaxtyping import Array, Float, Int
 
 from lib.config import ModelConfig
 
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+# float64 is for gradient checks (lib/gradcheck.py runs the model in double under x64); not a training policy.
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float64": jnp.float64}
+
+
+def at_least_f32(x):
+    """Upcast to fp32 for numerically delicate maths, but let float64 pass (gradient checks run in double)."""
+    return x.astype(jnp.promote_types(x.dtype, jnp.float32))
 
 
 def _normal(key, shape, std):
@@ -37,7 +43,7 @@ class RMSNorm(eqx.Module):
 
     def __call__(self, x):
         # Statistics in fp32 even under a bf16 policy: a mean of squares loses too much in bf16.
-        x32 = x.astype(jnp.float32)
+        x32 = at_least_f32(x)
         scale = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
         return (x32 * scale * self.weight).astype(x.dtype)
 
@@ -54,7 +60,7 @@ def apply_rope(x: Float[Array, "b t h hd"], cos, sin):
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     cos, sin = cos[:, :, None, :], sin[:, :, None, :]
-    return (x.astype(jnp.float32) * cos + rotated.astype(jnp.float32) * sin).astype(x.dtype)
+    return (at_least_f32(x) * cos + at_least_f32(rotated) * sin).astype(x.dtype)
 
 
 def attention_mask(q_pos, k_pos, q_seg=None, k_seg=None, k_valid=None):
@@ -65,6 +71,17 @@ def attention_mask(q_pos, k_pos, q_seg=None, k_seg=None, k_valid=None):
     if k_valid is not None:
         mask &= k_valid[:, None, :]
     return mask[:, None]
+
+
+def attention_in_double(q, k, v, mask):
+    """The same maths as jax.nn.dot_product_attention (query head h reads kv head h // group), all in float64."""
+    b, t, h, hd = q.shape
+    kv = k.shape[2]
+    q = q.reshape(b, t, kv, h // kv, hd)
+    logits = jnp.einsum("btkgd,bskd->bkgts", q, k) / jnp.sqrt(hd).astype(q.dtype)
+    logits = jnp.where(mask[:, :, None], logits, jnp.finfo(q.dtype).min)
+    probs = jax.nn.softmax(logits, axis=-1)
+    return jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(b, t, h, hd)
 
 
 class Attention(eqx.Module):
@@ -96,7 +113,10 @@ class Attention(eqx.Module):
 
     def attend(self, q, k, v, mask):
         # Grouped-query attention: dot_product_attention broadcasts the n_kv_heads over n_heads.
-        out = jax.nn.dot_product_attention(q, k, v, mask=mask)
+        if q.dtype == jnp.float64:  # gradient checks: jax's fused attention always runs its softmax in fp32
+            out = attention_in_double(q, k, v, mask)
+        else:
+            out = jax.nn.dot_product_attention(q, k, v, mask=mask)
         b, t = out.shape[:2]
         return out.reshape(b, t, -1) @ self.wo.astype(q.dtype)
 
@@ -199,8 +219,8 @@ class Llama(eqx.Module):
         return (out, per_layer) if collect else out
 
     def logits(self, h):
-        """The LM head on final hidden states, in fp32 (the softmax and loss want full precision)."""
-        return (h @ self.head_weight().astype(h.dtype)).astype(jnp.float32)
+        """The LM head on final hidden states, in fp32 (the softmax and loss want full precision; float64 stays float64)."""
+        return at_least_f32(h @ self.head_weight().astype(h.dtype))
 
     def __call__(self, tokens, positions=None, segment_ids=None):
         """Logits [b, t, vocab] in fp32."""

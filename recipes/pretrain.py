@@ -35,6 +35,7 @@ from lib.optim import lr_schedule, make_optimizer
 from lib.placement import make_placement
 from lib.repro import write_bundle
 from lib.train_state import init_train_state, make_eval_step, make_train_step
+from lib.weights import adopt_init_architecture, load_model
 
 HOST_ONLY_KEYS = ("source", "index")  # sample identity stays on the host (for logs), not on the device
 
@@ -61,6 +62,7 @@ def train(cfg: Config) -> dict:
     # First: joining a multi-host run must precede any other JAX call, and a mesh or pipeline
     # that does not fit the devices stops here, before anything is written.
     placement = make_placement(cfg)
+    cfg = adopt_init_architecture(cfg)  # trainer.init_from, when set, decides the model's shape
     run_dir = Path(cfg.run_dir)
     is_main = jax.process_index() == 0
     if is_main:
@@ -121,6 +123,11 @@ def train(cfg: Config) -> dict:
         start = int(meta.get("step", state.step))  # the loop position; state.step counts applied updates only
         if is_main:
             print(f"resumed from {manager.directory}/{latest} (step {start})", file=sys.stderr)
+    elif cfg.trainer.init_from:
+        state = placement.init_state(
+            lambda: init_train_state(load_model(cfg.trainer.init_from, cfg.model), optimizer, cfg.trainer.seed, step_guard))
+        if is_main:
+            print(f"initial weights from {cfg.trainer.init_from}", file=sys.stderr)
     # Rows a killed run logged past its last checkpoint (or before its first) are dropped: each step appears once.
     guard.resume(meta.get("guard"))
     if latest is not None:
