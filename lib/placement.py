@@ -45,7 +45,7 @@ class Placement:
         return ""  # only a pipeline has a schedule to announce
 
     def log_row(self) -> dict:
-        return {"placement": str(self)}
+        return {}  # only a pipeline has a schedule to log
 
     def train_step(self, step: Callable, state: Any) -> Callable:
         return step if self.mesh is None else sharding.keep_state_sharding(step, state, self.mesh)

@@ -144,6 +144,29 @@ def bench_checkpoint_stall(cfg: ModelConfig, seq_len: int, batch: int, repeats: 
     return {"save_call_s": statistics.median(save_times), "step_s": statistics.median(step_times)}
 
 
+def compiled_memory(cfg: ModelConfig, seq_len: int, batch: int) -> dict:
+    """XLA's memory analysis of the compiled train step (nothing runs): temporaries = activations + workspace."""
+    shapes = jax.eval_shape(lambda: init_train_state(Llama(cfg, jax.random.PRNGKey(0)), make_optimizer(OptimConfig(), Llama(cfg, jax.random.PRNGKey(0)), 10), 0))
+    batch_shapes = {"tokens": jax.ShapeDtypeStruct((batch, seq_len), jnp.int32), "mask": jax.ShapeDtypeStruct((batch, seq_len), jnp.bool_)}
+    optimizer = make_optimizer(OptimConfig(), shapes.model, 10)
+    memory = make_train_step(optimizer, lr_schedule(OptimConfig(), 10)).lower(shapes, batch_shapes).compile().memory_analysis()
+    return {"temp_bytes": int(memory.temp_size_in_bytes), "argument_bytes": int(memory.argument_size_in_bytes)}
+
+
+def bench_memory(cfg: ModelConfig, seq_len: int, batch: int) -> dict:
+    """Temporaries of the step for each remat policy, with and without the chunked LM head + loss."""
+    rows = {}
+    print(f"compiled memory of one train step (batch {batch} x {seq_len}, vocab {cfg.vocab_size}):")
+    for remat in ("none", "layer", "selective"):
+        for chunk in (0, 1024):
+            mem = compiled_memory(dataclasses.replace(cfg, remat=remat, logits_chunk=chunk), seq_len, batch)
+            rows[f"remat={remat},logits_chunk={chunk}"] = mem
+            base = rows["remat=none,logits_chunk=0"]["temp_bytes"]
+            print(f"  remat={remat:<9} logits_chunk={chunk:<5} temporaries {mem['temp_bytes'] / 2**20:8.1f} MiB "
+                  f"({mem['temp_bytes'] / base - 1:+.0%} vs none/unchunked)")
+    return rows
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(prog="python -m recipes.bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
@@ -151,6 +174,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--repeats", type=int, default=8)
     p.add_argument("--no-torch", action="store_true", help="skip the PyTorch columns")
     p.add_argument("--no-compile", action="store_true", help="skip torch.compile (slow to compile on CPU)")
+    p.add_argument("--no-memory", action="store_true", help="skip the remat / chunked-loss memory table")
     p.add_argument("--json", help="also write the results here")
     args = p.parse_args(argv)
 
@@ -188,6 +212,8 @@ def main(argv: list[str] | None = None) -> dict:
     results["checkpoint"] = stall
     print(f"async checkpoint save: the loop waits {stall['save_call_s'] * 1e3:.1f} ms per save "
           f"= {stall['save_call_s'] / stall['step_s']:.1%} of a {stall['step_s'] * 1e3:.0f} ms step ({args.shapes[0]})")
+    if not args.no_memory:
+        results["memory"] = bench_memory(cfg, seq_len, 4 * batch)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

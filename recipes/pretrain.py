@@ -153,7 +153,8 @@ def train(cfg: Config) -> dict:
         )
         if placement.schedule_line():
             print(placement.schedule_line(), file=sys.stderr)
-    writer.write({"step": start, **placement.log_row()})
+    if placement.log_row():
+        writer.write({"step": start, **placement.log_row()})
 
     def save(step: int) -> None:
         # A checkpoint saved while an anomaly is open may hold a bad update: never a rollback target.

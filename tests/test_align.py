@@ -56,8 +56,8 @@ def test_injected_layer_fault_is_named(corpus, tmp_path, capsys):
     assert code == 1 and not report["ok"]
     first = report["first_divergence"]
     assert (first["stage"], first["name"]) == ("forward", "layer 1")
-    by_name = {r["name"]: r for r in report["rows"]}
-    assert by_name["layer 0"]["error"] == 0.0 and by_name["embed"]["ok"]
+    forward = {r["name"]: r for r in report["rows"] if r["stage"] == "forward"}
+    assert forward["layer 0"]["error"] == 0.0 and forward["embed"]["ok"]
     assert "FIRST DIVERGENCE: forward layer 1" in capsys.readouterr().out
 
 

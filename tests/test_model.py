@@ -85,3 +85,18 @@ def test_chunked_logits_give_the_same_model_loss_and_gradients():
     assert float(loss(chunked)) == pytest.approx(float(loss(plain)), rel=1e-6)
     for a, b in zip(jax.tree.leaves(jax.grad(loss)(chunked)), jax.tree.leaves(jax.grad(loss)(plain))):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_bfloat16_training_keeps_fp32_master_weights_and_optimizer_state():
+    from lib.config import OptimConfig
+    from lib.optim import lr_schedule, make_optimizer
+    from lib.train_state import init_train_state, make_train_step
+
+    model = Llama(dataclasses.replace(CFG, compute_dtype="bfloat16"), jax.random.PRNGKey(0))
+    opt = make_optimizer(OptimConfig(), model, 10)
+    state = init_train_state(model, opt, 0)
+    t = tokens()
+    state, metrics = make_train_step(opt, lr_schedule(OptimConfig(), 10))(state, {"tokens": t, "mask": jnp.ones_like(t, bool)})
+    floats = [x for x in jax.tree.leaves((state.model, state.opt_state)) if jnp.issubdtype(x.dtype, jnp.floating)]
+    assert floats and all(x.dtype == jnp.float32 for x in floats)
+    assert metrics["loss"].dtype == jnp.float32 and np.isfinite(float(metrics["loss"]))

@@ -1,0 +1,98 @@
+"""MFU of a ~1B LLaMA in bf16 on one accelerator: run this whenever an H100/H200/TPU is at hand.
+
+    python -m recipes.bench_gpu                  # ~1.1B params, seq 2048, bf16 matmuls, selective remat
+    python -m recipes.bench_gpu --batch 8 --remat layer --json runs/gpu.json
+    python -m recipes.bench_gpu --tiny           # the same script on a toy shape (CPU smoke check)
+
+It times the project's real train step (`lib/train_state.py`, AdamW, fp32 master
+weights, bf16 compute, chunked LM head + loss), median of repeats after warm-up,
+and prints tokens/s, model FLOP/s and MFU against the peak-FLOPs table in
+`lib/metrics.py` (or `--peak-flops`). Target on one H100/H200: >= 50% MFU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lib.config import ModelConfig, OptimConfig
+from lib.metrics import flops_per_token, lookup_peak_flops, measure_matmul_peak
+from lib.model import Llama, count_params
+from lib.optim import lr_schedule, make_optimizer
+from lib.train_state import init_train_state, make_train_step
+
+ONE_B = ModelConfig(d_model=2048, n_layers=16, n_heads=16, n_kv_heads=8, d_ff=5632, vocab_size=32000,
+                    compute_dtype="bfloat16", remat="selective", logits_chunk=4096)
+TINY = ModelConfig(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128, vocab_size=256,
+                   compute_dtype="bfloat16", remat="selective", logits_chunk=64)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(prog="python -m recipes.bench_gpu", description=__doc__.split("\n\n")[0])
+    p.add_argument("--tiny", action="store_true", help="toy shape, for checking the script itself")
+    p.add_argument("--seq-len", type=int, default=None)
+    p.add_argument("--batch", type=int, default=None, help="sequences per step")
+    p.add_argument("--remat", choices=["none", "layer", "selective"], default=None)
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--peak-flops", type=float, default=0.0, help="override the table (FLOP/s of one device)")
+    p.add_argument("--json", help="also write the result here")
+    args = p.parse_args(argv)
+
+    cfg = TINY if args.tiny else ONE_B
+    if args.remat:
+        cfg = dataclasses.replace(cfg, remat=args.remat)
+    seq_len = args.seq_len or (32 if args.tiny else 2048)
+    batch = args.batch or (4 if args.tiny else 8)
+    kind = jax.devices()[0].device_kind
+    peak = args.peak_flops or lookup_peak_flops(kind) or measure_matmul_peak()
+
+    model = Llama(cfg, jax.random.PRNGKey(0))
+    ocfg = OptimConfig()
+    optimizer = make_optimizer(ocfg, model, 1000)
+    state = init_train_state(model, optimizer, 0)
+    tokens = np.random.default_rng(0).integers(2, cfg.vocab_size, (batch, seq_len), dtype=np.int32)
+    device_batch = {"tokens": jnp.asarray(tokens), "mask": jnp.ones((batch, seq_len), bool)}
+    step = make_train_step(optimizer, lr_schedule(ocfg, 1000))
+
+    t0 = time.perf_counter()
+    compiled = step.lower(state, device_batch).compile()
+    compile_s = time.perf_counter() - t0
+    memory = compiled.memory_analysis()
+    holder = {"state": state}
+
+    def one() -> float:
+        t = time.perf_counter()
+        holder["state"], metrics = compiled(holder["state"], device_batch)
+        jax.block_until_ready(metrics["loss"])
+        return time.perf_counter() - t
+
+    for _ in range(args.warmup):
+        one()
+    step_s = statistics.median(one() for _ in range(args.repeats))
+    tokens_per_s = batch * seq_len / step_s
+    flops = flops_per_token(cfg, seq_len) * tokens_per_s
+    result = {
+        "device": kind, "params": count_params(model), "seq_len": seq_len, "batch": batch, "remat": cfg.remat,
+        "compile_s": compile_s, "step_s": step_s, "tokens_per_s": tokens_per_s, "model_flops_per_s": flops,
+        "peak_flops": peak, "mfu": flops / peak,
+        "temp_bytes": getattr(memory, "temp_size_in_bytes", None), "argument_bytes": getattr(memory, "argument_size_in_bytes", None),
+    }
+    print(f"{kind}: {result['params'] / 1e9:.2f}B params, batch {batch} x {seq_len}, bf16, remat={cfg.remat}: "
+          f"{step_s * 1e3:.0f} ms/step, {tokens_per_s:,.0f} tokens/s, {flops / 1e12:.1f} TFLOP/s, "
+          f"MFU {result['mfu']:.1%} of {peak / 1e12:.0f} TFLOP/s (compile {compile_s:.0f} s)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return result
+
+
+if __name__ == "__main__":
+    main()
