@@ -159,3 +159,27 @@ def restore(manager: ocp.CheckpointManager, step: int, like_state: Any, model_cf
 
 def complete_steps(manager: ocp.CheckpointManager) -> list[int]:
     return sorted(manager.all_steps())
+
+
+def restore_model(manager: ocp.CheckpointManager, step: int, model_cfg) -> Any:
+    """Only the `model` subtree of the saved TrainState, placed on the default device.
+
+    A partial restore: it needs neither the optimizer nor the guard's state, so
+    evaluation, generation and weight export read any run's checkpoint."""
+    import equinox as eqx
+
+    from lib.model import Llama
+
+    abstract = eqx.filter_eval_shape(Llama, model_cfg, jax.random.PRNGKey(0))
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target = {"model": jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), abstract)}
+    try:
+        restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+            item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True,
+        )))
+    except Exception as exc:  # orbax raises many types; the user needs one line
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+        raise CheckpointError(
+            f"cannot read the model from {manager.directory}/{step}: {first}; it may be damaged: choose another step=N"
+        ) from exc
+    return restored["state"]["model"]

@@ -13,8 +13,6 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-import equinox as eqx
-import jax
 import orbax.checkpoint as ocp
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -82,23 +80,6 @@ def choose_step(manager: ocp.CheckpointManager, step: int | None) -> int:
     return step
 
 
-def restore_model(manager: ocp.CheckpointManager, step: int, cfg: Config) -> Llama:
-    """Only the `model` subtree of the saved TrainState, placed on the default device."""
-    abstract = eqx.filter_eval_shape(Llama, cfg.model, jax.random.PRNGKey(0))
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    target = {"model": jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), abstract)}
-    try:
-        restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
-            item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True,
-        )))
-    except Exception as exc:  # orbax raises many types; the user needs one line
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
-        raise ckpt.CheckpointError(
-            f"cannot read the model from {manager.directory}/{step}: {first}; it may be damaged: choose another step=N"
-        ) from exc
-    return restored["state"]["model"]
-
-
 def open_run(run_dir: str | Path, step: int | None = None, overrides: list[str] | None = None) -> TrainedRun:
     run_dir = Path(run_dir)
     if not (run_dir / "checkpoints").is_dir():
@@ -113,7 +94,7 @@ def open_run(run_dir: str | Path, step: int | None = None, overrides: list[str] 
             raise ckpt.CheckpointError(f"checkpoint {run_dir}/checkpoints/{step} stores no config; it was not written by recipes.pretrain")
         cfg = apply_overrides(meta["config"], overrides or [])
         ckpt.check_model_matches(meta, dataclasses.asdict(cfg.model), f"{run_dir}/checkpoints/{step}")
-        model = restore_model(manager, step, cfg)
+        model = ckpt.restore_model(manager, step, cfg.model)
     finally:
         manager.close()
     return TrainedRun(run_dir=run_dir, step=step, cfg=cfg, model=model)

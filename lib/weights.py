@@ -123,18 +123,11 @@ def _restore_weights(path: Path, model_cfg: ModelConfig) -> Llama:
 
 
 def _restore_run_model(path: Path, step: int | None) -> Llama:
-    from lib.optim import make_optimizer
-    from lib.train_state import init_train_state
-
     manager, step, cfg = _open_run(path, step)
-    model_abs = eqx.filter_eval_shape(Llama, cfg.model, jax.random.PRNGKey(0))
-    optimizer = make_optimizer(cfg.optim, model_abs, cfg.trainer.steps)
-    state_abs = eqx.filter_eval_shape(lambda k: init_train_state(Llama(cfg.model, k), optimizer, cfg.trainer.seed), jax.random.PRNGKey(0))
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    state_abs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), state_abs)
-    state, _, _ = ckpt.restore(manager, step, state_abs, dataclasses.asdict(cfg.model))
-    manager.close()
-    return state.model
+    try:
+        return ckpt.restore_model(manager, step, cfg.model)
+    finally:
+        manager.close()
 
 
 def save_weights(model: Llama, folder: str | Path, source: str = "") -> Path:

@@ -1,6 +1,4 @@
-import json
 
-import pytest
 
 from lib.config import ModelConfig
 from lib.metrics import MetricsWriter, flops_per_token, lookup_peak_flops, read_metrics
