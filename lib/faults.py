@@ -52,8 +52,13 @@ class HostFaults:
         return step in self.cfg.poison_steps and rollbacks == 0
 
     def poison(self, state, step: int):
-        """The state with noise of std poison_std added to every weight (the update that got through)."""
-        return _add_noise(state, jax.random.PRNGKey(step), self.cfg.poison_std)
+        """The state with noise of std poison_std added to every weight (the update that got through).
+
+        Laid out exactly as the train step leaves its state (on a mesh the jitted noise would come back
+        with equivalent but differently spelled shardings), as a bad update from the step itself would be.
+        """
+        noisy = _add_noise(state, jax.random.PRNGKey(step), self.cfg.poison_std)
+        return jax.device_put(noisy, jax.tree.map(lambda x: x.sharding, state))
 
 
 @eqx.filter_jit

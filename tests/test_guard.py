@@ -403,3 +403,77 @@ def test_every_device_skips_together_on_8_simulated_devices():
                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert out.returncode == 0, out.stderr[-3000:]
     assert "ALL DEVICES SKIPPED TOGETHER" in out.stdout
+
+
+# ---- the real recipe under parallel=fsdp (and one pipeline) on 8 simulated devices, one subprocess ----
+
+
+@pytest.fixture(scope="module")
+def sharded_report(tmp_path_factory, private_corpus_cache):
+    """tests/guard_on_8_devices.py: clean, NaN+spike, poisoned (rollback) fsdp runs and a NaN pipeline run."""
+    out = tmp_path_factory.mktemp("guard8")
+    # Codegen optimisation off, as tests/test_pipeline.py: compiles are most of the cost here.
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "8", "JAXPRETRAIN_CACHE": str(private_corpus_cache),
+           "XLA_FLAGS": "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"}
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "guard_on_8_devices.py"), str(out)],
+                          env=env, cwd=out, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    assert report["device_count"] == 8
+    return report
+
+
+def skipped_steps(result: dict) -> list[int]:
+    return [r["step"] for r in result["steps"] if r["skipped"]]
+
+
+def last_loss(result: dict) -> float:
+    return result["steps"][-1]["loss"]
+
+
+def assert_sharded_run(result: dict):
+    assert [r["step"] for r in result["steps"]][-1] == 30  # finished
+    assert result["sharded_leaves"] > 0  # the state really is split over the mesh
+    assert all(c["devices"] == 8 and c["layout_kept"] for c in result["calls"])  # every step, every device, same layout
+
+
+def assert_skips(result: dict, want: dict[int, str]):
+    """Exactly these steps skipped, each leaving every device's shards bitwise unchanged, and quarantined."""
+    assert skipped_steps(result) == sorted(want)
+    unchanged = [i + 1 for i, c in enumerate(result["calls"][:30]) if c["unchanged"]]
+    assert unchanged == sorted(want)  # params, both moments, count, step, rng: on all 8 devices
+    assert [(q["step"], q["reason"]) for q in result["quarantine"]] == sorted(want.items())
+    for q in result["quarantine"]:
+        assert len(q["samples"]) == 8 and all(s["source"] == "stdlib" for s in q["samples"])  # the whole global batch
+    assert all(result["identities_match"])  # and they name exactly the token rows the step saw
+
+
+def test_fsdp_nan_and_spike_steps_are_skipped_together_bitwise_and_the_run_ends_like_a_clean_one(sharded_report):
+    clean, faulty = sharded_report["fsdp_clean"], sharded_report["fsdp_skip"]
+    assert "fsdp=8" in faulty["placement"]
+    assert_sharded_run(clean)
+    assert_sharded_run(faulty)
+    assert skipped_steps(clean) == [] and clean["quarantine"] == []
+    assert_skips(faulty, {12: "nonfinite_grad", 22: "loss_spike"})
+    assert abs(last_loss(faulty) - last_loss(clean)) / last_loss(clean) < 0.02
+
+
+def test_fsdp_rollback_restores_the_whole_sharded_state_and_ends_like_a_clean_one(sharded_report):
+    clean, rolled = sharded_report["fsdp_clean"], sharded_report["fsdp_rollback"]
+    assert_sharded_run(rolled)  # includes the restored state: laid out exactly as the mesh had it
+    assert_skips(rolled, {18: "loss_spike", 19: "loss_spike", 20: "loss_spike"})
+    assert [(e["event"], e["reason"], e["to_step"]) for e in rolled["events"]] == [("rollback", "repeated_skips", 15)]
+    calls = rolled["calls"]
+    assert len(calls) == 30 + 5  # steps 16-20 ran twice
+    assert calls[17]["before"] != calls[16]["after"]  # the poison landed between steps 17 and 18
+    # The step after the rollback starts from exactly the state step 15 produced (and checkpoint 15 holds), every shard.
+    assert calls[20]["before"] == calls[14]["after"]
+    assert abs(last_loss(rolled) - last_loss(clean)) / last_loss(clean) < 0.02
+
+
+def test_pipeline_nan_step_is_skipped_together_bitwise(sharded_report):
+    clean, piped = sharded_report["fsdp_clean"], sharded_report["pipeline_skip"]
+    assert_sharded_run(piped)
+    assert_skips(piped, {12: "nonfinite_grad"})
+    # Pipelined losses equal one device's (tests/test_pipeline.py), so the clean fsdp run is the reference.
+    assert abs(last_loss(piped) - last_loss(clean)) / last_loss(clean) < 0.02
