@@ -16,9 +16,13 @@ checked against a tolerance chosen by the lower of the two precisions
 (`PROFILES`). The first failing row in that order names where to look.
 
 Parallel layouts plug in through `SETUP_BUILDERS`: a builder turns (config,
-weights) into a `Setup`. The single-device builder is here; an FSDP or
-pipeline builder places the same weights on its mesh and returns the same
-four methods, so `parallel=...` is just one more override on one side.
+weights, fault) into a `Setup`. single, fsdp and pipeline share one builder:
+the recipe's own placement (lib/placement.py `make_placement`) places the same
+weights on its mesh and supplies the forward+loss the train step runs, so
+`parallel=...` is just one more override on one side. A pipeline's forward
+rows are the un-pipelined forward of its placed (stage-sharded) weights: the
+pipelined forward yields only the loss, so its loss, grads, update and curve
+rows are where the pipeline schedule itself is compared.
 """
 
 from __future__ import annotations
@@ -35,9 +39,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lib.align_faults import Fault
 from lib.config import Config, ConfigError
 from lib.model import Llama
 from lib.optim import lr_schedule, make_optimizer
+from lib.placement import make_placement
 from lib.train_state import accumulated_grads, init_train_state, make_train_step
 
 STAGES = ("forward", "loss", "grads", "update", "curve")
@@ -78,8 +84,8 @@ class AlignConfig:
     init_from: str = ""  # weights for both setups (HF folder, weights folder, run_dir); default: random init
     tolerance: str = "auto"  # auto (lower precision of the two) | float32 | bfloat16
     rtol_scale: float = 1.0  # multiply every tolerance
-    # Self-test knob: plant a known difference in setup b. layer_scale:L:F multiplies the output
-    # projections (attn.wo, mlp.w_down) of block L by F, so block L is the first to diverge.
+    # Self-test knob: plant a known difference in setup b (lib/align_faults.py): layer_scale:L:F,
+    # shift_labels or grad_scale:LEAF[:L]:F; the table must name where it was planted.
     fault: str = ""
 
 
@@ -115,60 +121,65 @@ def _forward(model: Llama, tokens, segment_ids):
 
 
 @eqx.filter_jit
-def _loss_and_grads(model: Llama, batch: dict, accum_steps: int, z_loss: float):
-    (loss, grads), _ = accumulated_grads(model, batch, accum_steps, z_loss)
+def _loss_and_grads(model: Llama, batch: dict, accum_steps: int, z_loss: float, loss_sum: Callable):
+    (loss, grads), _ = accumulated_grads(model, batch, accum_steps, z_loss, loss_sum)
     return loss, grads
 
 
 _STEPS: dict[tuple, tuple] = {}
 
 
-def _optimizer_and_step(cfg: Config, model: Llama):
-    """The recipe's optimizer and jitted train step, built once per distinct config (compiling it is the slow part)."""
-    key = (repr(cfg.optim), cfg.trainer.steps, model.cfg)
+def _optimizer_and_step(cfg: Config, model: Llama, loss_sum: Callable, fault: Fault):
+    """The recipe's optimizer and jitted train step, built once per distinct config (compiling it is the slow part).
+    Equal parallel configs make equal placements, so their loss functions are interchangeable."""
+    key = (repr(cfg.optim), cfg.trainer.steps, model.cfg, repr(cfg.parallel), fault.changes_loss and fault)
     if key not in _STEPS:
         optimizer = make_optimizer(cfg.optim, model, cfg.trainer.steps)
-        step = make_train_step(optimizer, lr_schedule(cfg.optim, cfg.trainer.steps), cfg.optim.accum_steps, cfg.optim.z_loss)
+        step = make_train_step(optimizer, lr_schedule(cfg.optim, cfg.trainer.steps), cfg.optim.accum_steps, cfg.optim.z_loss,
+                               loss_sum=loss_sum)
         _STEPS[key] = (optimizer, step)
     return _STEPS[key]
 
 
 class JaxSetup:
-    """The training code as `recipes.pretrain` runs it: the same gradient function and the same jitted step.
+    """The training code as `recipes.pretrain` runs it: the same placement, gradient function and jitted step.
 
-    A layout is four hooks (defaults: one device, nothing sharded), the same ones a recipe's
-    placement provides: `place_state` puts the TrainState where it lives, `place_batch` turns host
-    rows into device arrays, `view` is the model as the forward pass sees it, `wrap_step` keeps
-    the step's shardings. Batches arrive as host numpy rows.
+    The layout is the recipe's placement for `cfg.parallel` (lib/placement.py): it puts the
+    TrainState where it lives, turns host rows into device arrays, supplies the forward+loss
+    (`loss_sum`, pipelined for a pipeline) and keeps the step's shardings. Batches arrive as
+    host numpy rows; results go back as host numpy.
     """
 
-    def __init__(self, name: str, cfg: Config, model: Llama, *, place_state: Callable = lambda s: s,
-                 place_batch: Callable = jax.device_put, view: Callable = lambda m: m,
-                 wrap_step: Callable = lambda step, state: step, layout: str = "one device"):
+    def __init__(self, name: str, cfg: Config, model: Llama, fault: Fault = Fault("")):
         self.name, self.cfg = name, cfg
-        self.place_state, self.place_batch, self.view, self.wrap_step = place_state, place_batch, view, wrap_step
-        self.optimizer, self.step = _optimizer_and_step(cfg, model)
-        self.state = place_state(init_train_state(model, self.optimizer, cfg.trainer.seed))
+        self.placement = placement = make_placement(cfg)
+        self.loss_sum = fault.loss_sum(placement.loss_sum, placement.model_view)
+        self.optimizer, self.step = _optimizer_and_step(cfg, model, self.loss_sum, fault)
+        weights = fault.weights(model)
+        # Built from the concrete weights on their way to the mesh: both setups hold the same numbers.
+        self.state = placement.init_state(lambda: init_train_state(weights, self.optimizer, cfg.trainer.seed))
         m, o = cfg.model, cfg.optim
+        layout = str(placement) + (", forward rows un-pipelined on the placed weights" if placement.schedule_line() else "")
         self.description = f"parallel={cfg.parallel.name} ({layout}) compute={m.compute_dtype} remat={m.remat} accum={o.accum_steps}"
 
     def forward(self, rows):
-        batch = self.place_batch(rows)
-        out = _forward(self.view(self.state.model), batch["tokens"], batch.get("segment_ids"))
+        batch = self.placement.train_batch(rows)
+        out = _forward(self.placement.model_view(self.state.model), batch["tokens"], batch.get("segment_ids"))
         return {k: np.asarray(v, np.float32) for k, v in out.items()}
 
     def loss_and_grads(self, rows):
-        loss, grads = _loss_and_grads(self.view(self.state.model), self.place_batch(rows), self.cfg.optim.accum_steps, self.cfg.optim.z_loss)
+        loss, grads = _loss_and_grads(self.state.model, self.placement.train_batch(rows), self.cfg.optim.accum_steps,
+                                      self.cfg.optim.z_loss, self.loss_sum)
         return float(loss), named_leaves(grads)
 
     def train(self, batches):
         before = named_leaves(self.state.model)
         # The step donates its state: train a copy so self.state stays usable.
         state = jax.tree.map(jnp.copy, self.state)
-        step = self.wrap_step(self.step, state)
+        step = self.placement.train_step(self.step, state)
         losses, update = [], {}
         for i, rows in enumerate(batches):
-            state, metrics = step(state, self.place_batch(rows))
+            state, metrics = step(state, self.placement.train_batch(rows))
             losses.append(float(metrics["loss"]))
             if i == 0:
                 update = {k: v - before[k] for k, v in named_leaves(state.model).items()}
@@ -202,14 +213,14 @@ class HFReferenceSetup:
         return None  # no optax-identical optimizer on the torch side
 
 
-SETUP_BUILDERS: dict[str, Callable[[str, Config, Llama], Setup]] = {"single": JaxSetup}
+SETUP_BUILDERS: dict[str, Callable[[str, Config, Llama, Fault], Setup]] = {"single": JaxSetup, "fsdp": JaxSetup, "pipeline": JaxSetup}
 
 
-def build_setup(name: str, cfg: Config, model: Llama) -> Setup:
+def build_setup(name: str, cfg: Config, model: Llama, fault: Fault = Fault("")) -> Setup:
     builder = SETUP_BUILDERS.get(cfg.parallel.name)
     if builder is None:
-        raise ConfigError(f"align cannot build parallel={cfg.parallel.name} yet (known: {sorted(SETUP_BUILDERS)}); register a builder in lib.align.SETUP_BUILDERS")
-    return builder(name, cfg, model)
+        raise ConfigError(f"align cannot build parallel={cfg.parallel.name} (known: {sorted(SETUP_BUILDERS)}); register a builder in lib.align.SETUP_BUILDERS")
+    return builder(name, cfg, model, fault)
 
 
 # ----------------------------------------------------------------------------- weights and faults
@@ -223,18 +234,6 @@ def same_weights(model: Llama, cfg: Config) -> Llama:
     if diff:
         raise ConfigError(f"the two setups must share the model architecture to start from the same weights; they differ in {diff}")
     return with_execution_config(model, cfg.model)
-
-
-def inject_fault(model: Llama, fault: str) -> Llama:
-    """Apply `AlignConfig.fault` (e.g. "layer_scale:1:1.05") to a copy of the weights."""
-    kind, *args = fault.split(":")
-    if kind != "layer_scale" or len(args) != 2:
-        raise ConfigError(f"align.fault={fault!r}: the known fault is layer_scale:LAYER:FACTOR (e.g. layer_scale:1:1.05)")
-    layer, factor = int(args[0]), float(args[1])
-    if not 0 <= layer < model.cfg.n_layers:
-        raise ConfigError(f"align.fault layer {layer} is outside 0..{model.cfg.n_layers - 1}")
-    scale = lambda w: w.at[layer].multiply(factor)  # noqa: E731
-    return eqx.tree_at(lambda m: (m.blocks.attn.wo, m.blocks.mlp.w_down), model, replace_fn=scale)
 
 
 # ----------------------------------------------------------------------------- comparison

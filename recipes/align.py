@@ -11,13 +11,19 @@
     align.init_from=P weights for both (HF folder, weights folder or run_dir); default: random init from trainer.seed
     align.tolerance=  auto | float32 | bfloat16 (auto: the lower precision of the two setups)
     align.rtol_scale= multiply every tolerance
-    align.fault=layer_scale:L:F   self-test: scale block L's output projections by F in setup b
+    align.fault=      self-test: plant a known difference in setup b (lib/align_faults.py):
+                      layer_scale:L:F     scale block L's output projections by F  -> forward "layer L"
+                      shift_labels        score each position against the token two ahead -> "loss"
+                      grad_scale:LEAF[:L]:F  scale the gradient of LEAF (layer L) by F -> grads "LEAF[L]"
 
 Examples:
     python -m recipes.align +exp=smoke b.model.compute_dtype=bfloat16
     python -m recipes.align +exp=smoke b.optim.accum_steps=2 b.model.remat=layer
     python -m recipes.align +exp=smoke b=hf
     python -m recipes.align +exp=smoke align.fault=layer_scale:1:1.01      # must report layer 1
+    JAX_NUM_CPU_DEVICES=8 python -m recipes.align +exp=smoke trainer.batch_size=8 b.parallel=fsdp
+    JAX_NUM_CPU_DEVICES=8 python -m recipes.align +exp=smoke trainer.batch_size=8 model.n_layers=4 \
+        b.parallel=pipeline b.parallel.stages=4 b.parallel.microbatches=4
 
 Exit status: 0 aligned, 1 diverged (the table names the first divergence), 2 bad input.
 """
@@ -30,8 +36,9 @@ import sys
 import jax
 import numpy as np
 
-from lib.align import (AlignConfig, HFReferenceSetup, PROFILES, Report, build_setup, compare, inject_fault, same_weights,
-                       tolerance_profile, write_report)
+from lib.align import (AlignConfig, HFReferenceSetup, PROFILES, Report, build_setup, compare, same_weights, tolerance_profile,
+                       write_report)
+from lib.align_faults import parse_fault
 from lib.config import Config, ConfigError, load_config
 from lib.data import resolve_corpora, train_batches
 from lib.errors import run_cli
@@ -112,9 +119,10 @@ def run(argv: list[str]) -> bool:
     weights = load_model(options.init_from, cfg_a.model) if options.init_from else Llama(cfg_a.model, jax.random.PRNGKey(cfg_a.trainer.seed))
     setup_a = build_setup("a", cfg_a, same_weights(weights, cfg_a))
     model_b = same_weights(weights, cfg_b or cfg_a)
-    if options.fault:
-        model_b = inject_fault(model_b, options.fault)
-    setup_b = HFReferenceSetup("b", cfg_a, model_b) if hf else build_setup("b", cfg_b, model_b)
+    fault = parse_fault(options.fault, model_b)
+    if hf and fault.kind not in ("", "layer_scale"):
+        raise ConfigError(f"align.fault={options.fault!r} changes the jax training code; with b=hf only layer_scale applies")
+    setup_b = HFReferenceSetup("b", cfg_a, fault.weights(model_b)) if hf else build_setup("b", cfg_b, model_b, fault)
 
     print(f"a: {setup_a.description}   [{' '.join(both + only_a)}]", file=sys.stderr)
     print(f"b: {setup_b.description}   [{' '.join(['b=hf'] if hf else both + only_b)}]"

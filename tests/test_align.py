@@ -93,8 +93,12 @@ def test_bad_arguments_are_user_errors(corpus, tmp_path, capsys):
     assert run_align(corpus, tmp_path, "b.trainer.batch_size=8")[0] == 2
     assert run_align(corpus, tmp_path, "b.model.n_layers=3")[0] == 2
     assert run_align(corpus, tmp_path, "align.fault=layer_scale:7:2")[0] == 2
-    assert run_align(corpus, tmp_path, "b.parallel.name=pipeline")[0] == 2  # a layout with no builder yet
+    assert run_align(corpus, tmp_path, "b.parallel.name=tensor")[0] == 2  # a layout with no builder
+    assert run_align(corpus, tmp_path, "align.fault=shift_labels:2")[0] == 2
+    assert run_align(corpus, tmp_path, "align.fault=grad_scale:blocks.mlp.nope:0:2")[0] == 2
+    assert run_align(corpus, tmp_path, "align.fault=grad_scale:embed:0:2")[0] == 2  # embed has no layers
     err = capsys.readouterr().err
+    assert "SETUP_BUILDERS" in err and "known faults" in err and "no array leaf 'blocks.mlp.nope'" in err
     assert "unknown option align.nonsense" in err and "identical batches" in err and "architecture" in err
     assert all(line.startswith("error: ") for line in err.splitlines() if "error" in line)
 
