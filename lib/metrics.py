@@ -48,7 +48,7 @@ def lookup_peak_flops(device_kind: str) -> float | None:
     return None
 
 
-def measure_matmul_peak(n: int = 1024, repeats: int = 5) -> float:
+def measure_matmul_peak(n: int = 1024, repeats: int = 20) -> float:
     """FLOP/s of a square fp32 matmul on the default device: the CPU's practical peak."""
     a = jnp.ones((n, n), jnp.float32)
     mm = jax.jit(lambda x: x @ x)

@@ -33,6 +33,15 @@ def _normal(key, shape, std):
     return std * jax.random.normal(key, shape, jnp.float32)
 
 
+def linear(x, w):
+    """x [..., in] @ w [in, out] as one 2-D matmul in x's dtype.
+
+    Flattening the leading axes first matters on CPU: XLA then runs the backward's
+    weight gradient as one plain GEMM (x^T @ dy) instead of a slower batched contraction."""
+    out = x.reshape(-1, x.shape[-1]) @ w.astype(x.dtype)
+    return out.reshape(*x.shape[:-1], w.shape[-1])
+
+
 class RMSNorm(eqx.Module):
     weight: Float[Array, "d"]
     eps: float = eqx.field(static=True)
@@ -106,9 +115,9 @@ class Attention(eqx.Module):
     def project_qkv(self, x, cos, sin):
         b, t, _ = x.shape
         hd = self.wq.shape[1] // self.n_heads
-        q = (x @ self.wq.astype(x.dtype)).reshape(b, t, self.n_heads, hd)
-        k = (x @ self.wk.astype(x.dtype)).reshape(b, t, self.n_kv_heads, hd)
-        v = (x @ self.wv.astype(x.dtype)).reshape(b, t, self.n_kv_heads, hd)
+        q = linear(x, self.wq).reshape(b, t, self.n_heads, hd)
+        k = linear(x, self.wk).reshape(b, t, self.n_kv_heads, hd)
+        v = linear(x, self.wv).reshape(b, t, self.n_kv_heads, hd)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def attend(self, q, k, v, mask):
@@ -118,7 +127,7 @@ class Attention(eqx.Module):
         else:
             out = jax.nn.dot_product_attention(q, k, v, mask=mask)
         b, t = out.shape[:2]
-        return out.reshape(b, t, -1) @ self.wo.astype(q.dtype)
+        return linear(out.reshape(b, t, -1).astype(q.dtype), self.wo)
 
     def __call__(self, x, cos, sin, mask):
         q, k, v = self.project_qkv(x, cos, sin)
@@ -137,8 +146,7 @@ class SwiGLU(eqx.Module):
         self.w_down = _normal(k3, (cfg.d_ff, cfg.d_model), cfg.init_std / (2 * cfg.n_layers) ** 0.5)
 
     def __call__(self, x):
-        dt = x.dtype
-        return (jax.nn.silu(x @ self.w_gate.astype(dt)) * (x @ self.w_up.astype(dt))) @ self.w_down.astype(dt)
+        return linear(jax.nn.silu(linear(x, self.w_gate)) * linear(x, self.w_up), self.w_down)
 
 
 class Block(eqx.Module):
@@ -220,7 +228,7 @@ class Llama(eqx.Module):
 
     def logits(self, h):
         """The LM head on final hidden states, in fp32 (the softmax and loss want full precision; float64 stays float64)."""
-        return at_least_f32(h @ self.head_weight().astype(h.dtype))
+        return at_least_f32(linear(h, self.head_weight()))
 
     def __call__(self, tokens, positions=None, segment_ids=None):
         """Logits [b, t, vocab] in fp32."""

@@ -93,7 +93,7 @@ def bench_torch(cfg: ModelConfig, seq_len: int, batch: int, warmup: int, repeats
     return {"step_s": median_time(lambda: step(t, m).item(), repeats), "compile_s": compile_s}
 
 
-def torch_matmul_peak(n: int = 1024, repeats: int = 5) -> float:
+def torch_matmul_peak(n: int = 1024, repeats: int = 20) -> float:
     import torch
 
     a = torch.ones(n, n)
