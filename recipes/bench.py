@@ -54,14 +54,18 @@ def random_batch(cfg: ModelConfig, seq_len: int, batch: int, seed: int = 0):
     return tokens, np.ones_like(tokens, dtype=bool)
 
 
-def bench_jax(cfg: ModelConfig, seq_len: int, batch: int, warmup: int, repeats: int) -> dict:
+def jax_step_setup(cfg: ModelConfig, seq_len: int, batch: int):
+    """The project's real train step (AdamW, default optimizer settings), a fresh state and a random batch."""
     model = Llama(cfg, jax.random.PRNGKey(0))
     ocfg = OptimConfig()
     optimizer = make_optimizer(ocfg, model, 1000)
-    state = init_train_state(model, optimizer, 0)
     tokens, mask = random_batch(cfg, seq_len, batch)
     device_batch = {"tokens": jnp.asarray(tokens), "mask": jnp.asarray(mask)}
-    step = make_train_step(optimizer, lr_schedule(ocfg, 1000))
+    return init_train_state(model, optimizer, 0), device_batch, make_train_step(optimizer, lr_schedule(ocfg, 1000))
+
+
+def bench_jax(cfg: ModelConfig, seq_len: int, batch: int, warmup: int, repeats: int) -> dict:
+    state, device_batch, step = jax_step_setup(cfg, seq_len, batch)
     t0 = time.perf_counter()
     compiled = step.lower(state, device_batch).compile()
     compile_s = time.perf_counter() - t0
@@ -119,13 +123,7 @@ def bench_checkpoint_stall(cfg: ModelConfig, seq_len: int, batch: int, repeats: 
     """How long an async save holds up the loop, against the median step time."""
     from lib import checkpoint as ckpt
 
-    model = Llama(cfg, jax.random.PRNGKey(0))
-    ocfg = OptimConfig()
-    optimizer = make_optimizer(ocfg, model, 1000)
-    state = init_train_state(model, optimizer, 0)
-    tokens, mask = random_batch(cfg, seq_len, batch)
-    device_batch = {"tokens": jnp.asarray(tokens), "mask": jnp.asarray(mask)}
-    step = make_train_step(optimizer, lr_schedule(ocfg, 1000))
+    state, device_batch, step = jax_step_setup(cfg, seq_len, batch)
     with tempfile.TemporaryDirectory() as tmp:
         manager = ckpt.open_manager(tmp, keep_last=2)
         state, _ = step(state, device_batch)

@@ -19,14 +19,11 @@ import statistics
 import time
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 
-from lib.config import ModelConfig, OptimConfig
+from lib.config import ModelConfig
 from lib.metrics import flops_per_token, lookup_peak_flops, measure_matmul_peak
-from lib.model import Llama, count_params
-from lib.optim import lr_schedule, make_optimizer
-from lib.train_state import init_train_state, make_train_step
+from lib.model import count_params
+from recipes.bench import jax_step_setup
 
 ONE_B = ModelConfig(d_model=2048, n_layers=16, n_heads=16, n_kv_heads=8, d_ff=5632, vocab_size=32000,
                     compute_dtype="bfloat16", remat="selective", logits_chunk=4096)
@@ -54,13 +51,7 @@ def main(argv: list[str] | None = None) -> dict:
     kind = jax.devices()[0].device_kind
     peak = args.peak_flops or lookup_peak_flops(kind) or measure_matmul_peak()
 
-    model = Llama(cfg, jax.random.PRNGKey(0))
-    ocfg = OptimConfig()
-    optimizer = make_optimizer(ocfg, model, 1000)
-    state = init_train_state(model, optimizer, 0)
-    tokens = np.random.default_rng(0).integers(2, cfg.vocab_size, (batch, seq_len), dtype=np.int32)
-    device_batch = {"tokens": jnp.asarray(tokens), "mask": jnp.ones((batch, seq_len), bool)}
-    step = make_train_step(optimizer, lr_schedule(ocfg, 1000))
+    state, device_batch, step = jax_step_setup(cfg, seq_len, batch)
 
     t0 = time.perf_counter()
     compiled = step.lower(state, device_batch).compile()
@@ -80,7 +71,7 @@ def main(argv: list[str] | None = None) -> dict:
     tokens_per_s = batch * seq_len / step_s
     flops = flops_per_token(cfg, seq_len) * tokens_per_s
     result = {
-        "device": kind, "params": count_params(model), "seq_len": seq_len, "batch": batch, "remat": cfg.remat,
+        "device": kind, "params": count_params(state.model), "seq_len": seq_len, "batch": batch, "remat": cfg.remat,
         "compile_s": compile_s, "step_s": step_s, "tokens_per_s": tokens_per_s, "model_flops_per_s": flops,
         "peak_flops": peak, "mfu": flops / peak,
         "temp_bytes": getattr(memory, "temp_size_in_bytes", None), "argument_bytes": getattr(memory, "argument_size_in_bytes", None),
