@@ -183,6 +183,9 @@ def train(cfg: Config) -> dict:
         writer.write(last)
         bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{last['tokens_per_s']:.0f}", refresh=False)
         bar.update(1)
+        if is_main and not cfg.trainer.progress and step % cfg.trainer.log_every == 0:  # logs without a bar
+            print(f"step {step}: loss {metrics['loss']:.4f}  lr {metrics['lr']:.3g}  grad_norm {metrics['grad_norm']:.3f}  "
+                  f"{last['tokens_per_s']:.0f} tokens/s", file=sys.stderr)
         verdict = guard.after_step(step, metrics, batch)
         if verdict.bundle:
             guard.monitor.bundles.append(step)
