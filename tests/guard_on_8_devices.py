@@ -98,8 +98,9 @@ def observed(placement, calls: list):
 
 def run(out: Path, name: str, overrides: list[str]) -> dict:
     calls: list = []
+    placed: list = []
     make_placement = pretrain.make_placement
-    pretrain.make_placement = lambda cfg: observed(make_placement(cfg), calls)
+    pretrain.make_placement = lambda cfg: placed.append(observed(make_placement(cfg), calls)) or placed[-1]
     err = io.StringIO()
     cfg = load_config(BASE + [f"run_dir={out / name}", *overrides])
     try:
@@ -119,7 +120,7 @@ def run(out: Path, name: str, overrides: list[str]) -> dict:
     return {
         "steps": [{k: r[k] for k in ("step", "loss", "skipped", "skip_reason")} for r in steps],
         "events": [r for r in rows if "event" in r],
-        "placement": next((r["placement"] for r in rows if "placement" in r), None),
+        "placement": str(placed[0]),
         "quarantine": quarantine,
         "identities_match": identities_match,
         "calls": [{"unchanged": c["before"]["devices"] == c["after"]["devices"],

@@ -101,3 +101,9 @@ def test_cli_typo_is_one_line_and_nonzero(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "stepz" in proc.stderr
     assert not (tmp_path / "r").exists()
+
+
+def test_without_a_progress_bar_a_line_is_printed_every_log_every_steps(tmp_path, capsys):
+    pretrain.train(load_config(smoke_overrides(tmp_path / "r", "trainer.steps=4", "trainer.log_every=2", "trainer.eval_every=100")))
+    lines = [l for l in capsys.readouterr().err.splitlines() if l.startswith("step ") and "tokens/s" in l]
+    assert [l.split(":")[0] for l in lines] == ["step 2", "step 4"]
