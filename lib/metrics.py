@@ -135,14 +135,19 @@ def _wandb_id(run_dir: str | Path) -> str:
     return run_id
 
 
-def read_metrics(run_dir: str | Path) -> list[dict]:
-    path = Path(run_dir) / "metrics.jsonl"
+def read_jsonl(path: str | Path) -> list[dict]:
+    """Rows of a JSONL file ([] if absent); a line torn by a kill mid-write is skipped."""
+    path = Path(path)
     if not path.is_file():
         return []
     rows = []
     for line in path.read_text().splitlines():
         try:
             rows.append(json.loads(line))
-        except json.JSONDecodeError:  # a line torn by a kill mid-write
+        except json.JSONDecodeError:
             continue
     return rows
+
+
+def read_metrics(run_dir: str | Path) -> list[dict]:
+    return read_jsonl(Path(run_dir) / "metrics.jsonl")

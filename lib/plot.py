@@ -9,11 +9,11 @@ canvas, so it never needs a display and never changes a global backend.
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 from lib.config import ConfigError
+from lib.metrics import read_jsonl
 
 PANELS = (("loss", "loss"), ("lr", "learning rate"), ("grad_norm", "gradient norm (pre-clip)"))
 AXES = (("step", "optimizer step"), ("tokens", "tokens"))
@@ -24,13 +24,7 @@ def read_rows(run_dir: Path) -> list[dict]:
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         raise ConfigError(f"no metrics.jsonl in {run_dir}; give a run_dir that recipes.pretrain wrote to")
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return rows
+    return read_jsonl(path)
 
 
 def last_per_step(rows: list[dict], key: str) -> list[dict]:

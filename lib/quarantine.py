@@ -20,6 +20,7 @@ import grain
 import numpy as np
 
 from lib.corpus import DataError
+from lib.metrics import read_jsonl
 
 Identity = tuple[int, int]  # (source id, index in that source's train split)
 QUARANTINE_FILE = "quarantine.jsonl"
@@ -101,13 +102,4 @@ class QuarantineLog:
 
 def read_quarantine(path: str | Path) -> list[dict]:
     """Entries of a quarantine.jsonl; a line torn by a kill mid-write is ignored."""
-    path = Path(path)
-    if not path.is_file():
-        return []
-    entries = []
-    for line in path.read_text().splitlines():
-        try:
-            entries.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return entries
+    return read_jsonl(path)

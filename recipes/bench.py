@@ -77,7 +77,9 @@ def bench_jax(cfg: ModelConfig, seq_len: int, batch: int, warmup: int, repeats: 
 
     for _ in range(warmup):
         one()
-    return {"step_s": median_time(one, repeats), "compile_s": compile_s}
+    memory = compiled.memory_analysis()
+    return {"step_s": median_time(one, repeats), "compile_s": compile_s,
+            "temp_bytes": getattr(memory, "temp_size_in_bytes", None), "argument_bytes": getattr(memory, "argument_size_in_bytes", None)}
 
 
 def bench_torch(cfg: ModelConfig, seq_len: int, batch: int, warmup: int, repeats: int, compile: bool) -> dict:

@@ -15,15 +15,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import statistics
-import time
 
+import equinox as eqx
 import jax
 
 from lib.config import ModelConfig
 from lib.metrics import flops_per_token, lookup_peak_flops, measure_matmul_peak
-from lib.model import count_params
-from recipes.bench import jax_step_setup
+from lib.model import Llama, count_params
+from recipes.bench import bench_jax
 
 ONE_B = ModelConfig(d_model=2048, n_layers=16, n_heads=16, n_kv_heads=8, d_ff=5632, vocab_size=32000,
                     compute_dtype="bfloat16", remat="selective", logits_chunk=4096)
@@ -51,30 +50,15 @@ def main(argv: list[str] | None = None) -> dict:
     kind = jax.devices()[0].device_kind
     peak = args.peak_flops or lookup_peak_flops(kind) or measure_matmul_peak()
 
-    state, device_batch, step = jax_step_setup(cfg, seq_len, batch)
-
-    t0 = time.perf_counter()
-    compiled = step.lower(state, device_batch).compile()
-    compile_s = time.perf_counter() - t0
-    memory = compiled.memory_analysis()
-    holder = {"state": state}
-
-    def one() -> float:
-        t = time.perf_counter()
-        holder["state"], metrics = compiled(holder["state"], device_batch)
-        jax.block_until_ready(metrics["loss"])
-        return time.perf_counter() - t
-
-    for _ in range(args.warmup):
-        one()
-    step_s = statistics.median(one() for _ in range(args.repeats))
+    run = bench_jax(cfg, seq_len, batch, args.warmup, args.repeats)  # the real step, compiled once, median of repeats
+    step_s, compile_s = run["step_s"], run["compile_s"]
     tokens_per_s = batch * seq_len / step_s
     flops = flops_per_token(cfg, seq_len) * tokens_per_s
     result = {
-        "device": kind, "params": count_params(state.model), "seq_len": seq_len, "batch": batch, "remat": cfg.remat,
+        "device": kind, "params": count_params(eqx.filter_eval_shape(Llama, cfg, jax.random.PRNGKey(0))), "seq_len": seq_len, "batch": batch, "remat": cfg.remat,
         "compile_s": compile_s, "step_s": step_s, "tokens_per_s": tokens_per_s, "model_flops_per_s": flops,
         "peak_flops": peak, "mfu": flops / peak,
-        "temp_bytes": getattr(memory, "temp_size_in_bytes", None), "argument_bytes": getattr(memory, "argument_size_in_bytes", None),
+        "temp_bytes": run["temp_bytes"], "argument_bytes": run["argument_bytes"],
     }
     print(f"{kind}: {result['params'] / 1e9:.2f}B params, batch {batch} x {seq_len}, bf16, remat={cfg.remat}: "
           f"{step_s * 1e3:.0f} ms/step, {tokens_per_s:,.0f} tokens/s, {flops / 1e12:.1f} TFLOP/s, "

@@ -153,8 +153,8 @@ def train(cfg: Config) -> dict:
         )
         if placement.schedule_line():
             print(placement.schedule_line(), file=sys.stderr)
-    if placement.log_row():
-        writer.write({"step": start, **placement.log_row()})
+    if placement_row := placement.log_row():
+        writer.write({"step": start, **placement_row})
 
     def save(step: int) -> None:
         # A checkpoint saved while an anomaly is open may hold a bad update: never a rollback target.
