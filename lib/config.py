@@ -37,8 +37,12 @@ class ModelConfig:
     remat: str = "none"
     # float32 | bfloat16: the dtype matmuls run in; parameters stay float32.
     compute_dtype: str = "float32"
-    # Positions per chunk when computing LM head + loss (0 = all at once): bounds logits memory.
-    logits_chunk: int = 0
+    # Sequence positions per chunk of the fused LM head + loss (0 = all logits at once): bounds logits memory.
+    logits_chunk: int = 64
+    # Causal attention runs in query blocks of this many positions, skipping fully masked key blocks (0 = dense).
+    attention_block: int = 128
+    # Blocks per iteration of the layer scan: 1 compiles one block; n_layers unrolls all (faster, slower to compile).
+    scan_unroll: int = 1
     init_std: float = 0.02
 
 
@@ -305,6 +309,10 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"model.remat={m.remat!r}: choose none, layer or selective")
     if m.compute_dtype not in ("float32", "bfloat16"):
         raise ConfigError(f"model.compute_dtype={m.compute_dtype!r}: choose float32 or bfloat16")
+    if m.attention_block < 0:
+        raise ConfigError(f"model.attention_block={m.attention_block} must be >= 0 (0 = dense attention)")
+    if m.scan_unroll < 1:
+        raise ConfigError(f"model.scan_unroll={m.scan_unroll} must be >= 1 (1 = no unrolling)")
     if m.logits_chunk < 0:
         raise ConfigError(f"model.logits_chunk={m.logits_chunk} must be >= 0 (0 = no chunking)")
     if o.schedule not in ("cosine", "linear", "constant"):

@@ -8,8 +8,11 @@ accumulated micro-batches weigh exactly as one big batch would.
 
 from __future__ import annotations
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 
@@ -31,6 +34,22 @@ def shift_for_next_token(tokens: Int[Array, "b t"], mask: Bool[Array, "b t"]):
     return tokens[:, 1:], mask[:, 1:]
 
 
+def target_loss_sum(
+    logits: Float[Array, "b t v"],
+    targets: Int[Array, "b t"],
+    valid: Bool[Array, "b t"],
+    z_loss: float = 0.0,
+) -> tuple[Float[Array, ""], Int[Array, ""]]:
+    """Sum of NLL (plus optional z-loss) of `targets` under `logits`, over valid positions, and their count."""
+    logits = _at_least_f32(logits)
+    nll = token_nll(logits, targets)
+    if z_loss:
+        # z-loss keeps log Z near 0 so the softmax stays well conditioned (PaLM).
+        nll = nll + z_loss * jnp.square(jax.nn.logsumexp(logits, axis=-1))
+    nll = jnp.where(valid, nll, 0.0)  # where, not multiply: 0 * inf would be nan
+    return nll.sum(), valid.sum()
+
+
 def next_token_loss_sum(
     logits: Float[Array, "b t v"],
     tokens: Int[Array, "b t"],
@@ -39,13 +58,7 @@ def next_token_loss_sum(
 ) -> tuple[Float[Array, ""], Int[Array, ""]]:
     """Sum of next-token NLL (plus optional z-loss) over valid targets, and their count."""
     targets, valid = shift_for_next_token(tokens, mask)
-    logits = _at_least_f32(logits[:, :-1])
-    nll = token_nll(logits, targets)
-    if z_loss:
-        # z-loss keeps log Z near 0 so the softmax stays well conditioned (PaLM).
-        nll = nll + z_loss * jnp.square(jax.nn.logsumexp(logits, axis=-1))
-    nll = jnp.where(valid, nll, 0.0)  # where, not multiply: 0 * inf would be nan
-    return nll.sum(), valid.sum()
+    return target_loss_sum(logits[:, :-1], targets, valid, z_loss)
 
 
 def valid_token_mean(logits, tokens, mask, z_loss: float = 0.0):
@@ -61,44 +74,90 @@ def mse(pred, target):
     return jnp.mean(jnp.square(pred - target))
 
 
+def _chunk_nll_and_dlogits(h_c, w, t_c, v_c, z_loss: float, with_grad: bool):
+    """One chunk [b, c, d] of positions: its NLL sum and, if asked, d(NLL sum)/d(logits) [b, c, v] in h's dtype."""
+    logits = jnp.einsum("bcd,dv->bcv", h_c, w.astype(h_c.dtype), preferred_element_type=_at_least_f32(h_c).dtype)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    nll = lse - jnp.take_along_axis(logits, t_c[..., None], axis=-1)[..., 0]
+    if z_loss:
+        nll = nll + z_loss * jnp.square(lse)
+    total = jnp.where(v_c, nll, 0.0).sum()
+    if not with_grad:
+        return total, None
+    # d/dlogits of (lse - logit[t] + z lse^2) = softmax * (1 + 2 z lse) - onehot(t); zero at invalid positions.
+    probs = jnp.exp(logits - lse[..., None]) * (1.0 + 2.0 * z_loss * lse)[..., None]
+    dlogits = probs - (jnp.arange(logits.shape[-1]) == t_c[..., None])
+    return total, jnp.where(v_c[..., None], dlogits, 0.0).astype(h_c.dtype)
+
+
+def _chunks(x, n_chunks: int):
+    """[b, t, ...] -> [n_chunks, b, t / n_chunks, ...]: chunks along the sequence, each keeping the whole batch."""
+    return x.reshape(x.shape[0], n_chunks, -1, *x.shape[2:]).swapaxes(0, 1)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _linear_cross_entropy(h, w, targets, valid, n_chunks: int, z_loss: float):
+    """Sum over valid positions of -ln softmax(h @ w)[target] (+ z-loss), one sequence chunk at a time."""
+
+    def body(total, xs):
+        h_c, t_c, v_c = xs
+        return total + _chunk_nll_and_dlogits(h_c, w, t_c, v_c, z_loss, with_grad=False)[0], None
+
+    xs = (_chunks(h, n_chunks), _chunks(targets, n_chunks), _chunks(valid, n_chunks))
+    return jax.lax.scan(body, jnp.zeros((), _at_least_f32(h).dtype), xs)[0]
+
+
+def _linear_cross_entropy_fwd(h, w, targets, valid, n_chunks, z_loss):
+    # The loss is a scalar, so its gradient is known up to the incoming scale already here: each chunk's
+    # dlogits go straight into dh and dw, and no [tokens x vocab] array outlives its chunk.
+    def body(carry, xs):
+        total, dw = carry
+        h_c, t_c, v_c = xs
+        nll, dlogits = _chunk_nll_and_dlogits(h_c, w, t_c, v_c, z_loss, with_grad=True)
+        dh_c = jnp.einsum("bcv,dv->bcd", dlogits, w.astype(dlogits.dtype))
+        dw = dw + jnp.einsum("bcd,bcv->dv", h_c, dlogits, preferred_element_type=dw.dtype)
+        return (total + nll, dw), dh_c
+
+    xs = (_chunks(h, n_chunks), _chunks(targets, n_chunks), _chunks(valid, n_chunks))
+    init = (jnp.zeros((), _at_least_f32(h).dtype), jnp.zeros(w.shape, _at_least_f32(w).dtype))
+    (total, dw), dh = jax.lax.scan(body, init, xs)
+    return total, (dh.swapaxes(0, 1).reshape(h.shape), dw.astype(w.dtype), targets, valid)
+
+
+def _linear_cross_entropy_bwd(n_chunks, z_loss, residuals, g):
+    dh, dw, targets, valid = residuals
+    int_zero = lambda x: np.zeros(x.shape, jax.dtypes.float0)  # integer and bool inputs have no gradient
+    return (g * dh).astype(dh.dtype), (g * dw).astype(dw.dtype), int_zero(targets), int_zero(valid)
+
+
+_linear_cross_entropy.defvjp(_linear_cross_entropy_fwd, _linear_cross_entropy_bwd)
+
+
 def chunked_next_token_loss_sum(
     hidden: Float[Array, "b t d"],
     head: Float[Array, "d v"],
     tokens: Int[Array, "b t"],
     mask: Bool[Array, "b t"],
-    chunk_tokens: int,
+    chunk_positions: int,
     z_loss: float = 0.0,
 ) -> tuple[Float[Array, ""], Int[Array, ""]]:
     """`next_token_loss_sum(hidden @ head, ...)` without ever holding all [tokens x vocab] logits.
 
-    The LM head and the loss run over `chunk_tokens` positions at a time inside a
-    scan whose body is rematerialised, so forward *and* backward keep one chunk's
-    logits alive: memory grows with chunk x vocab instead of batch x seq x vocab.
+    The LM head and the loss run over `chunk_positions` sequence positions (of every row) at a
+    time. Value and gradient are computed together in one pass over the chunks (a fused linear
+    cross-entropy), so neither forward nor backward keeps more than one chunk's logits: memory
+    grows with batch x chunk x vocab instead of batch x seq x vocab, and the head costs its three
+    matmuls with no recomputation. Chunks run along the sequence, so a batch split over devices
+    stays split. Forward-mode AD is not defined through it (gradient checks use the VJP).
     """
-    targets, valid = shift_for_next_token(tokens, mask)
-    h = hidden[:, :-1].reshape(-1, hidden.shape[-1])
-    targets, valid = targets.reshape(-1), valid.reshape(-1)
-    pad = -h.shape[0] % chunk_tokens
-    h = jnp.pad(h, ((0, pad), (0, 0)))
-    targets = jnp.pad(targets, (0, pad))
-    valid = jnp.pad(valid, (0, pad))
-    n_chunks = h.shape[0] // chunk_tokens
-
-    @jax.checkpoint
-    def chunk_loss(h_c, t_c, v_c):
-        logits = _at_least_f32(h_c @ head.astype(h_c.dtype))
-        nll = token_nll(logits, t_c)
-        if z_loss:
-            nll = nll + z_loss * jnp.square(jax.nn.logsumexp(logits, axis=-1))
-        return jnp.where(v_c, nll, 0.0).sum()
-
-    def body(total, xs):
-        return total + chunk_loss(*xs), None
-
-    chunks = (
-        h.reshape(n_chunks, chunk_tokens, -1),
-        targets.reshape(n_chunks, chunk_tokens),
-        valid.reshape(n_chunks, chunk_tokens),
-    )
-    total, _ = jax.lax.scan(body, jnp.zeros((), _at_least_f32(h).dtype), chunks)
+    b, t = tokens.shape
+    # Every position predicts the next token; the last has none, so it is padding rather than a slice of h.
+    targets = jnp.concatenate([tokens[:, 1:], jnp.zeros((b, 1), tokens.dtype)], axis=1)
+    valid = jnp.concatenate([mask[:, 1:], jnp.zeros((b, 1), bool)], axis=1)
+    chunk = min(chunk_positions, t)
+    pad = -t % chunk
+    if pad:
+        hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0)))
+        targets, valid = jnp.pad(targets, ((0, 0), (0, pad))), jnp.pad(valid, ((0, 0), (0, pad)))
+    total = _linear_cross_entropy(hidden, head, targets, valid, (t + pad) // chunk, float(z_loss))
     return total, valid.sum()

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from lib.attention import causal_attention, dot_attention, merge_heads, split_heads
 from lib.config import ModelConfig
 
 # float64 is for gradient checks (lib/gradcheck.py runs the model in double under x64); not a training policy.
@@ -65,10 +66,10 @@ def rope_tables(positions: Int[Array, "b t"], head_dim: int, theta: float):
     return jnp.cos(angles), jnp.sin(angles)
 
 
-def apply_rope(x: Float[Array, "b t h hd"], cos, sin):
+def apply_rope(x, cos, sin):
+    """Rotate each head's two halves by the position's angles; cos/sin [..., hd] broadcast against x."""
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    cos, sin = cos[:, :, None, :], sin[:, :, None, :]
     return (at_least_f32(x) * cos + at_least_f32(rotated) * sin).astype(x.dtype)
 
 
@@ -82,17 +83,6 @@ def attention_mask(q_pos, k_pos, q_seg=None, k_seg=None, k_valid=None):
     return mask[:, None]
 
 
-def attention_in_double(q, k, v, mask):
-    """The same maths as jax.nn.dot_product_attention (query head h reads kv head h // group), all in float64."""
-    b, t, h, hd = q.shape
-    kv = k.shape[2]
-    q = q.reshape(b, t, kv, h // kv, hd)
-    logits = jnp.einsum("btkgd,bskd->bkgts", q, k) / jnp.sqrt(hd).astype(q.dtype)
-    logits = jnp.where(mask[:, :, None], logits, jnp.finfo(q.dtype).min)
-    probs = jax.nn.softmax(logits, axis=-1)
-    return jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(b, t, h, hd)
-
-
 class Attention(eqx.Module):
     wq: Float[Array, "d hq"]
     wk: Float[Array, "d hk"]
@@ -100,6 +90,7 @@ class Attention(eqx.Module):
     wo: Float[Array, "hq d"]
     n_heads: int = eqx.field(static=True)
     n_kv_heads: int = eqx.field(static=True)
+    block: int = eqx.field(static=True)  # causal attention runs in query blocks of this many positions
 
     def __init__(self, cfg: ModelConfig, key):
         k1, k2, k3, k4 = jax.random.split(key, 4)
@@ -110,28 +101,36 @@ class Attention(eqx.Module):
         self.wv = _normal(k3, (cfg.d_model, cfg.n_kv_heads * hd), std)
         # Scaled like GPT-2's residual projections so the residual stream does not grow with depth.
         self.wo = _normal(k4, (cfg.n_heads * hd, cfg.d_model), std / (2 * cfg.n_layers) ** 0.5)
-        self.n_heads, self.n_kv_heads = cfg.n_heads, cfg.n_kv_heads
+        self.n_heads, self.n_kv_heads, self.block = cfg.n_heads, cfg.n_kv_heads, cfg.attention_block
+
+    @property
+    def head_dim(self):
+        return self.wq.shape[1] // self.n_heads
 
     def project_qkv(self, x, cos, sin):
+        """q [b, t, heads, hd], k and v [b, t, kv_heads, hd], RoPE applied (lib/generate.py fills its cache from these)."""
         b, t, _ = x.shape
-        hd = self.wq.shape[1] // self.n_heads
-        q = linear(x, self.wq).reshape(b, t, self.n_heads, hd)
-        k = linear(x, self.wk).reshape(b, t, self.n_kv_heads, hd)
-        v = linear(x, self.wv).reshape(b, t, self.n_kv_heads, hd)
+        q = linear(x, self.wq).reshape(b, t, self.n_heads, self.head_dim)
+        k = linear(x, self.wk).reshape(b, t, self.n_kv_heads, self.head_dim)
+        v = linear(x, self.wv).reshape(b, t, self.n_kv_heads, self.head_dim)
+        cos, sin = cos[:, :, None], sin[:, :, None]
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def attend(self, q, k, v, mask):
-        # Grouped-query attention: dot_product_attention broadcasts the n_kv_heads over n_heads.
-        if q.dtype == jnp.float64:  # gradient checks: jax's fused attention always runs its softmax in fp32
-            out = attention_in_double(q, k, v, mask)
-        else:
-            out = jax.nn.dot_product_attention(q, k, v, mask=mask)
-        b, t = out.shape[:2]
-        return linear(out.reshape(b, t, -1).astype(q.dtype), self.wo)
+        """Queries against any keys (a KV cache): every query-key pair is computed."""
+        out = dot_attention(q, k, v, mask)
+        return linear(out.reshape(*out.shape[:2], -1), self.wo)
 
     def __call__(self, x, cos, sin, mask):
-        q, k, v = self.project_qkv(x, cos, sin)
-        return self.attend(q, k, v, mask)
+        # Heads-first from the start: the transpose after each projection fuses with RoPE, and the
+        # attention matmuls batch over leading axes.
+        kv, hd = self.n_kv_heads, self.head_dim
+        q = split_heads(linear(x, self.wq), kv, hd)
+        k = split_heads(linear(x, self.wk), kv, hd)[:, :, 0]
+        v = split_heads(linear(x, self.wv), kv, hd)[:, :, 0]
+        cos, sin = cos[:, None], sin[:, None]  # [b, 1, t, hd]
+        q, k = apply_rope(q, cos[:, None], sin[:, None]), apply_rope(k, cos, sin)
+        return linear(merge_heads(causal_attention(q, k, v, mask, self.block)), self.wo)
 
 
 class SwiGLU(eqx.Module):
@@ -214,7 +213,7 @@ class Llama(eqx.Module):
 
         if self.cfg.remat != "none":
             one_block = jax.checkpoint(one_block, policy=_REMAT_POLICIES[self.cfg.remat])
-        return jax.lax.scan(one_block, x, params)
+        return jax.lax.scan(one_block, x, params, unroll=min(self.cfg.scan_unroll, self.cfg.n_layers))
 
     def head_weight(self):
         return self.embed.T if self.lm_head is None else self.lm_head

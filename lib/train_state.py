@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import optax
 
 from lib.guard import GuardStats, StepGuard
-from lib.loss import chunked_next_token_loss_sum, next_token_loss_sum
+from lib.loss import chunked_next_token_loss_sum, shift_for_next_token, target_loss_sum
 from lib.model import Llama
 
 Batch = dict[str, jax.Array]  # tokens [B, T] int32, mask [B, T] bool, optional segment_ids [B, T]
@@ -44,11 +44,12 @@ def init_train_state(model: Llama, optimizer: optax.GradientTransformation, seed
 
 def model_loss_sum(model: Llama, batch: Batch, z_loss: float):
     chunk = model.cfg.logits_chunk
+    hidden = model.hidden(batch["tokens"], segment_ids=batch.get("segment_ids"))
     if chunk:  # never materialise the full [tokens x vocab] logits
-        hidden = model.hidden(batch["tokens"], segment_ids=batch.get("segment_ids"))
         return chunked_next_token_loss_sum(hidden, model.head_weight(), batch["tokens"], batch["mask"], chunk, z_loss)
-    logits = model(batch["tokens"], segment_ids=batch.get("segment_ids"))
-    return next_token_loss_sum(logits, batch["tokens"], batch["mask"], z_loss)
+    # Drop the last position before the LM head, not after: slicing [tokens x vocab] logits costs a full copy.
+    targets, valid = shift_for_next_token(batch["tokens"], batch["mask"])
+    return target_loss_sum(model.logits(hidden[:, :-1]), targets, valid, z_loss)
 
 
 def split_micro_batches(batch: Batch, accum_steps: int) -> Batch:

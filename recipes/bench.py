@@ -21,6 +21,7 @@ import statistics
 import sys
 import tempfile
 import time
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -34,10 +35,12 @@ from lib.train_state import init_train_state, make_train_step
 
 SHAPES = {
     # The shape of the performance issue: d256, 4 layers, 4 heads, SwiGLU 768, vocab 8192, seq 256, batch 8.
-    "issue": (ModelConfig(d_model=256, n_layers=4, n_heads=4, n_kv_heads=4, d_ff=768, vocab_size=8192), 256, 8),
-    "quickstart": (ModelConfig(d_model=256, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=768, vocab_size=4096), 256, 8),
-    "wide": (ModelConfig(d_model=512, n_layers=4, n_heads=8, n_kv_heads=8, d_ff=1536, vocab_size=8192), 256, 4),
+    "issue": (ModelConfig(d_model=256, n_layers=4, n_heads=4, n_kv_heads=4, d_ff=768, vocab_size=8192, scan_unroll=4), 256, 8),
+    "quickstart": (ModelConfig(d_model=256, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=768, vocab_size=4096, scan_unroll=4), 256, 8),
+    "wide": (ModelConfig(d_model=512, n_layers=4, n_heads=8, n_kv_heads=8, d_ff=1536, vocab_size=8192, scan_unroll=4), 256, 4),
 }
+# Every other model setting is the default: fused chunked LM head + loss (logits_chunk=64), causal attention in
+# blocks of 128, no remat, fp32. scan_unroll=4 is what conf/model/small.yaml sets for these 4-layer models.
 
 
 def median_time(fn, repeats: int) -> float:
@@ -47,6 +50,21 @@ def median_time(fn, repeats: int) -> float:
         fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def race(steps: dict[str, Callable[[], None]], warmup: int, repeats: int) -> dict[str, float]:
+    """Median seconds per call of each step, the steps taking turns (a, b, c, a, b, c, ...) so that a
+    machine that speeds up or slows down during the run (turbo, neighbours on a VM) shifts all of them alike."""
+    for fn in steps.values():
+        for _ in range(warmup):
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(repeats):
+        for name, fn in steps.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def random_batch(cfg: ModelConfig, seq_len: int, batch: int, seed: int = 0):
@@ -64,7 +82,8 @@ def jax_step_setup(cfg: ModelConfig, seq_len: int, batch: int):
     return init_train_state(model, optimizer, 0), device_batch, make_train_step(optimizer, lr_schedule(ocfg, 1000))
 
 
-def bench_jax(cfg: ModelConfig, seq_len: int, batch: int, warmup: int, repeats: int) -> dict:
+def jax_runner(cfg: ModelConfig, seq_len: int, batch: int) -> dict:
+    """The compiled step as a callable that runs one step to completion, with compile time and memory."""
     state, device_batch, step = jax_step_setup(cfg, seq_len, batch)
     t0 = time.perf_counter()
     compiled = step.lower(state, device_batch).compile()
@@ -75,14 +94,19 @@ def bench_jax(cfg: ModelConfig, seq_len: int, batch: int, warmup: int, repeats: 
         holder["state"], metrics = compiled(holder["state"], device_batch)
         jax.block_until_ready(metrics["loss"])
 
-    for _ in range(warmup):
-        one()
     memory = compiled.memory_analysis()
-    return {"step_s": median_time(one, repeats), "compile_s": compile_s,
+    return {"step": one, "compile_s": compile_s,
             "temp_bytes": getattr(memory, "temp_size_in_bytes", None), "argument_bytes": getattr(memory, "argument_size_in_bytes", None)}
 
 
-def bench_torch(cfg: ModelConfig, seq_len: int, batch: int, warmup: int, repeats: int, compile: bool) -> dict:
+def bench_jax(cfg: ModelConfig, seq_len: int, batch: int, warmup: int, repeats: int) -> dict:
+    """Median step time of the real train step alone (what recipes.bench_gpu reports)."""
+    run = jax_runner(cfg, seq_len, batch)
+    step = run.pop("step")
+    return {"step_s": race({"jax": step}, warmup, repeats)["jax"], **run}
+
+
+def torch_runner(cfg: ModelConfig, seq_len: int, batch: int, compile: bool) -> dict:
     import torch
 
     from recipes.torch_llama import make_torch_step
@@ -93,10 +117,7 @@ def bench_torch(cfg: ModelConfig, seq_len: int, batch: int, warmup: int, repeats
     t, m = torch.from_numpy(tokens).long(), torch.from_numpy(mask).float()
     t0 = time.perf_counter()
     step(t, m).item()  # the first call compiles under torch.compile
-    compile_s = time.perf_counter() - t0
-    for _ in range(warmup):
-        step(t, m).item()
-    return {"step_s": median_time(lambda: step(t, m).item(), repeats), "compile_s": compile_s}
+    return {"step": lambda: step(t, m).item(), "compile_s": time.perf_counter() - t0}
 
 
 def torch_matmul_peak(n: int = 1024, repeats: int = 20) -> float:
@@ -121,27 +142,32 @@ def bench_data(seq_len: int, batch: int, n_batches: int = 200) -> float:
     return n_batches * batch * seq_len / (time.perf_counter() - t0)
 
 
-def bench_checkpoint_stall(cfg: ModelConfig, seq_len: int, batch: int, repeats: int) -> dict:
-    """How long an async save holds up the loop, against the median step time."""
+def bench_checkpoint_stall(cfg: ModelConfig, seq_len: int, batch: int, saves: int = 4, every: int = 3) -> dict:
+    """What an async save costs the loop, done as recipes.pretrain does it: the step finishes, then `save`.
+
+    `save_call_s` is the stall: the loop waits for the save call (the device-to-host copy and Orbax's
+    set-up), the files are written in the background. On a small host that background writing competes
+    with the next step for the CPU; `next_step_extra_s` is how much slower the step after a save runs."""
     from lib import checkpoint as ckpt
 
     state, device_batch, step = jax_step_setup(cfg, seq_len, batch)
+    save_calls, after_save, plain = [], [], []
     with tempfile.TemporaryDirectory() as tmp:
         manager = ckpt.open_manager(tmp, keep_last=2)
         state, _ = step(state, device_batch)
-        step_times, save_times = [], []
-        for i in range(repeats):
+        for i in range(saves * every + 1):
             t0 = time.perf_counter()
             state, metrics = step(state, device_batch)
             jax.block_until_ready(metrics["loss"])
-            step_times.append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            ckpt.save(manager, i + 1, state, {"step": i + 1}, {"model": {}})
-            save_times.append(time.perf_counter() - t0)
+            (after_save if i % every == 1 and i > 1 else plain).append(time.perf_counter() - t0)
+            if i % every == 0 and i > 0:
+                t0 = time.perf_counter()
+                ckpt.save(manager, i, state, {"step": i}, {"model": {}})
+                save_calls.append(time.perf_counter() - t0)
         manager.wait_until_finished()
         manager.close()
-    # Each save happens between steps; the loop stalls for the save call (the rest runs in the background).
-    return {"save_call_s": statistics.median(save_times), "step_s": statistics.median(step_times)}
+    step_s = statistics.median(plain)
+    return {"save_call_s": statistics.median(save_calls), "step_s": step_s, "next_step_extra_s": statistics.median(after_save) - step_s}
 
 
 def compiled_memory(cfg: ModelConfig, seq_len: int, batch: int) -> dict:
@@ -158,7 +184,7 @@ def bench_memory(cfg: ModelConfig, seq_len: int, batch: int) -> dict:
     rows = {}
     print(f"compiled memory of one train step (batch {batch} x {seq_len}, vocab {cfg.vocab_size}):")
     for remat in ("none", "layer", "selective"):
-        for chunk in (0, 1024):
+        for chunk in (0, 64):
             mem = compiled_memory(dataclasses.replace(cfg, remat=remat, logits_chunk=chunk), seq_len, batch)
             rows[f"remat={remat},logits_chunk={chunk}"] = mem
             base = rows["remat=none,logits_chunk=0"]["temp_bytes"]
@@ -189,11 +215,14 @@ def main(argv: list[str] | None = None) -> dict:
     print(header + "\n" + "-" * len(header))
     for name in args.shapes:
         cfg, seq_len, batch = SHAPES[name]
-        runs = {"jax": bench_jax(cfg, seq_len, batch, args.warmup, args.repeats)}
+        runs = {"jax": jax_runner(cfg, seq_len, batch)}
         if not args.no_torch:
-            runs["torch eager"] = bench_torch(cfg, seq_len, batch, args.warmup, args.repeats, compile=False)
+            runs["torch eager"] = torch_runner(cfg, seq_len, batch, compile=False)
             if not args.no_compile:
-                runs["torch.compile"] = bench_torch(cfg, seq_len, batch, args.warmup, args.repeats, compile=True)
+                runs["torch.compile"] = torch_runner(cfg, seq_len, batch, compile=True)
+        medians = race({impl: r.pop("step") for impl, r in runs.items()}, args.warmup, args.repeats)
+        for impl, r in runs.items():
+            r["step_s"] = medians[impl]
         fpt = flops_per_token(cfg, seq_len)
         eager = runs.get("torch eager", {}).get("step_s")
         for impl, r in runs.items():
@@ -208,10 +237,11 @@ def main(argv: list[str] | None = None) -> dict:
     cfg, seq_len, batch = SHAPES[args.shapes[0]]
     results["data_tokens_per_s"] = bench_data(seq_len, batch)
     print(f"data loader alone (Grain, stdlib corpus, batch {batch} x {seq_len}): {results['data_tokens_per_s']:,.0f} tokens/s")
-    stall = bench_checkpoint_stall(cfg, seq_len, batch, repeats=4)
+    stall = bench_checkpoint_stall(cfg, seq_len, batch)
     results["checkpoint"] = stall
     print(f"async checkpoint save: the loop waits {stall['save_call_s'] * 1e3:.1f} ms per save "
-          f"= {stall['save_call_s'] / stall['step_s']:.1%} of a {stall['step_s'] * 1e3:.0f} ms step ({args.shapes[0]})")
+          f"= {stall['save_call_s'] / stall['step_s']:.1%} of a {stall['step_s'] * 1e3:.0f} ms step ({args.shapes[0]}); "
+          f"the background write then slows the next step by {stall['next_step_extra_s'] * 1e3:.0f} ms")
     if not args.no_memory:
         results["memory"] = bench_memory(cfg, seq_len, 4 * batch)
     if args.json:

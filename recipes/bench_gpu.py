@@ -24,10 +24,12 @@ from lib.metrics import flops_per_token, lookup_peak_flops, measure_matmul_peak
 from lib.model import Llama, count_params
 from recipes.bench import bench_jax
 
+# logits_chunk / attention_block: 512 positions per LM-head chunk ([8, 512, 32000] fp32 logits = 0.5 GB) and
+# 4 causal query blocks over 2048 positions (the CPU default of 128 would make 16 small ones).
 ONE_B = ModelConfig(d_model=2048, n_layers=16, n_heads=16, n_kv_heads=8, d_ff=5632, vocab_size=32000,
-                    compute_dtype="bfloat16", remat="selective", logits_chunk=4096)
+                    compute_dtype="bfloat16", remat="selective", logits_chunk=512, attention_block=512)
 TINY = ModelConfig(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128, vocab_size=256,
-                   compute_dtype="bfloat16", remat="selective", logits_chunk=64)
+                   compute_dtype="bfloat16", remat="selective", logits_chunk=16, attention_block=16)
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -58,3 +58,20 @@ def test_compiled_memory_table_reports_remat_savings():
     none = compiled_memory(CFG, 32, 8)
     layer = compiled_memory(dataclasses.replace(CFG, remat="layer"), 32, 8)
     assert 0 < layer["temp_bytes"] < none["temp_bytes"]
+
+
+def test_race_takes_turns_and_reports_each_median():
+    from recipes.bench import race
+
+    calls = []
+    medians = race({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, warmup=1, repeats=3)
+    assert calls == ["a", "b"] + ["a", "b"] * 3  # warm-up each, then alternating
+    assert set(medians) == {"a", "b"} and all(m >= 0 for m in medians.values())
+
+
+def test_checkpoint_stall_is_measured_like_the_training_loop():
+    from recipes.bench import bench_checkpoint_stall
+
+    stall = bench_checkpoint_stall(CFG, 16, 2, saves=2, every=2)
+    assert 0 < stall["save_call_s"] and 0 < stall["step_s"]
+    assert "next_step_extra_s" in stall

@@ -13,7 +13,7 @@ from lib.config import ModelConfig
 from lib.gradcheck import GradCheckError, assert_gradcheck, gradcheck
 from lib.train_state import model_loss_sum
 from tests.fast_init import random_module
-from lib.model import Attention, Block, Llama, RMSNorm, SwiGLU, attention_in_double, attention_mask, rope_tables
+from lib.model import Attention, Block, Llama, RMSNorm, SwiGLU, attention_mask, rope_tables
 
 # float64 weights; init_std large enough that every non-linearity (softmax, SiLU, RMSNorm) is exercised.
 CFG = ModelConfig(d_model=16, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=24, vocab_size=37, init_std=0.3, compute_dtype="float64")
@@ -35,10 +35,11 @@ def test_rmsnorm():
     assert_gradcheck(lambda m, x: m(x), norm, inputs(), name="RMSNorm")
 
 
-def test_attention_gqa():
-    attn = random_module(Attention, CFG, seed=1, std=CFG.init_std)
+@pytest.mark.parametrize("block", [0, 4])  # dense, and causal blocks of 4 + a ragged 2 over T = 6
+def test_attention_gqa(block):
+    attn = random_module(Attention, dataclasses.replace(CFG, attention_block=block), seed=1, std=CFG.init_std)
     cos, sin, mask = context()
-    assert_gradcheck(lambda m, x: m(x, cos, sin, mask), attn, inputs(), name="Attention")
+    assert_gradcheck(lambda m, x: m(x, cos, sin, mask), attn, inputs(), name=f"Attention block={block}")
 
 
 def test_swiglu():
@@ -64,11 +65,13 @@ def test_llama_logits():
     assert result.dtype == "float64" and len(result.directions) == 4
 
 
-def test_full_training_loss():
+@pytest.mark.parametrize("logits_chunk", [0, 4])
+def test_full_training_loss(logits_chunk):
     """The train step's own loss (lib.train_state.model_loss_sum) through tied embeddings (two gradient
-    paths into one matrix), z-loss and padded targets. The chunked LM head's gradient equals this path's
-    (tests/test_loss.py), so it is not checked again here."""
-    cfg = dataclasses.replace(CFG, tie_embeddings=True)
+    paths into one matrix), z-loss and padded targets; with plain logits (forward and reverse mode
+    checked) and with the fused chunked head, whose hand-written VJP is checked in reverse mode
+    (chunks of 4 positions + a padded one over T = 6)."""
+    cfg = dataclasses.replace(CFG, tie_embeddings=True, logits_chunk=logits_chunk)
     model = random_module(Llama, cfg, seed=6, std=CFG.init_std, norm_noise=0.3)
     tokens, mask = tokens_and_mask()
 
@@ -76,7 +79,8 @@ def test_full_training_loss():
         total, count = model_loss_sum(m, {"tokens": tokens, "mask": mask}, 1e-2)  # with z-loss
         return total / count
 
-    assert_gradcheck(loss, model, name="training loss")
+    result = assert_gradcheck(loss, model, name=f"training loss logits_chunk={logits_chunk}")
+    assert all((d.jvp_error is None) == bool(logits_chunk) for d in result.directions)
 
 
 @jax.custom_vjp
@@ -135,16 +139,3 @@ def test_downcasting_function_is_flagged():
 def test_integer_only_inputs_rejected():
     with pytest.raises(ValueError, match="no floating-point array"):
         gradcheck(lambda t: jnp.sum(t), jnp.arange(4))
-
-
-def test_double_attention_matches_fused_attention():
-    """The float64 attention path used by gradient checks computes what jax's fused attention computes."""
-    rng = np.random.default_rng(7)
-    q = jnp.asarray(rng.standard_normal((B, T, 4, 8)), jnp.float32)
-    k, v = (jnp.asarray(rng.standard_normal((B, T, 2, 8)), jnp.float32) for _ in range(2))
-    positions = jnp.broadcast_to(jnp.arange(T), (B, T))
-    mask = attention_mask(positions, positions)
-    fused = jax.jit(jax.nn.dot_product_attention)(q, k, v, mask=mask)
-    with jax.enable_x64(True):
-        double = jax.jit(attention_in_double)(*(jnp.asarray(x, jnp.float64) for x in (q, k, v)), mask)
-    np.testing.assert_allclose(np.asarray(double), np.asarray(fused), atol=1e-6)

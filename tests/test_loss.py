@@ -78,3 +78,32 @@ def test_chunked_loss_equals_plain_loss_in_value_and_gradient(chunk):
     for a, b in zip(jax.grad(chunked, (0, 1))(hidden, head), jax.grad(plain, (0, 1))(hidden, head)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     assert int(chunked_next_token_loss_sum(hidden, head, tokens, mask, chunk)[1]) == int(mask[:, 1:].sum())
+
+
+def largest_intermediate(fn, *args) -> int:
+    """Elements of the biggest array any equation of fn's jaxpr (sub-jaxprs of scans etc. included) produces."""
+
+    def walk(jaxpr):
+        sizes = [0]
+        for eqn in jaxpr.eqns:
+            sizes += [int(np.prod(v.aval.shape)) for v in eqn.outvars if hasattr(v.aval, "shape")]
+            for param in eqn.params.values():
+                for sub in param if isinstance(param, (tuple, list)) else [param]:
+                    inner = getattr(sub, "jaxpr", sub)
+                    if hasattr(inner, "eqns"):
+                        sizes.append(walk(inner))
+        return max(sizes)
+
+    return walk(jax.make_jaxpr(fn)(*args).jaxpr)
+
+
+def test_chunked_loss_never_holds_all_logits_in_forward_or_backward():
+    b, t, d, v, chunk = 2, 64, 8, 100, 16
+    k1, k2, k3 = jax.random.split(jax.random.PRNGKey(1), 3)
+    hidden, head = jax.random.normal(k1, (b, t, d)), jax.random.normal(k2, (d, v))
+    tokens = jax.random.randint(k3, (b, t), 0, v)
+    mask = jnp.ones((b, t), bool)
+    chunked = jax.value_and_grad(lambda h, w: chunked_next_token_loss_sum(h, w, tokens, mask, chunk)[0], (0, 1))
+    plain = jax.value_and_grad(lambda h, w: next_token_loss_sum(h @ w, tokens, mask)[0], (0, 1))
+    assert largest_intermediate(chunked, hidden, head) == b * chunk * v
+    assert largest_intermediate(plain, hidden, head) >= b * (t - 1) * v  # the check sees full logits when they exist
