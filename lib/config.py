@@ -41,7 +41,8 @@ class ModelConfig:
     logits_chunk: int = 64
     # Causal attention runs in query blocks of this many positions, skipping fully masked key blocks (0 = dense).
     attention_block: int = 128
-    # Blocks per iteration of the layer scan: 1 compiles one block; n_layers unrolls all (faster, slower to compile).
+    # Blocks per iteration of the layer scan: 1 compiles one block; n_layers unrolls all (faster, slower to
+    # compile). Ignored under remat: unrolled, XLA merges the recomputation back into the forward.
     scan_unroll: int = 1
     init_std: float = 0.02
 

@@ -213,7 +213,10 @@ class Llama(eqx.Module):
 
         if self.cfg.remat != "none":
             one_block = jax.checkpoint(one_block, policy=_REMAT_POLICIES[self.cfg.remat])
-        return jax.lax.scan(one_block, x, params, unroll=min(self.cfg.scan_unroll, self.cfg.n_layers))
+            unroll = 1  # unrolled, XLA would merge the recomputation back into the forward and keep everything
+        else:
+            unroll = min(self.cfg.scan_unroll, self.cfg.n_layers)
+        return jax.lax.scan(one_block, x, params, unroll=unroll)
 
     def head_weight(self):
         return self.embed.T if self.lm_head is None else self.lm_head

@@ -3,10 +3,13 @@
     python -m recipes.bench                        # all shapes, JAX vs PyTorch eager vs torch.compile
     python -m recipes.bench --shapes issue --repeats 10 --no-compile
     python -m recipes.bench --json runs/bench.json
+    python -m recipes.bench --shapes issue --variants "" attention_block=0 logits_chunk=0   # what a setting buys
 
 For each shape it prints tokens/s, model FLOP/s (6 x matmul weights + attention,
 per token), MFU against the measured fp32 matmul peak of this machine, compile
-time, and the JAX / PyTorch ratios. It then times the data loader alone and the
+time, and the JAX / PyTorch ratios; then the "matmul floor": the step's own
+matmuls (read from its jaxpr) timed one by one, i.e. the tokens/s and MFU the
+step would reach if everything else in it were free. It then times the data loader alone and the
 stall an async checkpoint save puts on the loop. Step times are medians of
 repeats after warm-up, each closed by `block_until_ready` (JAX) or a host copy
 of the loss (PyTorch). Needs the `torch` extra for the PyTorch columns.
@@ -15,6 +18,7 @@ of the loss (PyTorch). Needs the `torch` extra for the PyTorch columns.
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import json
 import statistics
@@ -170,6 +174,45 @@ def bench_checkpoint_stall(cfg: ModelConfig, seq_len: int, batch: int, saves: in
     return {"save_call_s": statistics.median(save_calls), "step_s": step_s, "next_step_extra_s": statistics.median(after_save) - step_s}
 
 
+def step_matmuls(cfg: ModelConfig, seq_len: int, batch: int) -> collections.Counter:
+    """Every dot_general the train step runs: (lhs shape, rhs shape, dtype, dimension numbers) -> times per step.
+
+    Read from the step's jaxpr (forward, backward, optimizer), counting a scan body once per iteration."""
+    state, device_batch, step = jax_step_setup(cfg, seq_len, batch)
+    found: collections.Counter = collections.Counter()
+
+    def walk(jaxpr, times: int):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "dot_general":
+                lhs, rhs = (v.aval for v in eqn.invars)
+                found[(lhs.shape, rhs.shape, str(lhs.dtype), eqn.params["dimension_numbers"])] += times
+            inner_times = times * (eqn.params.get("length", 1) if eqn.primitive.name == "scan" else 1)
+            for param in eqn.params.values():
+                for sub in param if isinstance(param, (tuple, list)) else [param]:
+                    inner = getattr(sub, "jaxpr", sub)
+                    if hasattr(inner, "eqns"):
+                        walk(inner, inner_times)
+
+    walk(jax.make_jaxpr(step)(state, device_batch).jaxpr, 1)
+    return found
+
+
+def matmul_floor(cfg: ModelConfig, seq_len: int, batch: int, repeats: int = 5) -> dict:
+    """The step's matmuls alone: each one jitted on its own, timed (median), times how often the step runs it.
+
+    If everything but the matmuls (norms, softmax, RoPE, the optimizer, copies) cost nothing, a step would
+    take `floor_s`: the MFU ceiling of this step on this machine with XLA's matmul kernels."""
+    total, flops = 0.0, 0.0
+    for (lhs_shape, rhs_shape, dtype, dims), times in step_matmuls(cfg, seq_len, batch).items():
+        lhs, rhs = jnp.ones(lhs_shape, dtype), jnp.ones(rhs_shape, dtype)
+        matmul = jax.jit(lambda a, b, dims=dims: jax.lax.dot_general(a, b, dims))
+        out = matmul(lhs, rhs).block_until_ready()
+        (lhs_contract, _), _ = dims
+        flops += times * 2 * out.size * int(np.prod([lhs_shape[d] for d in lhs_contract]))
+        total += times * median_time(lambda: matmul(lhs, rhs).block_until_ready(), repeats)
+    return {"floor_s": total, "matmul_flops": flops}
+
+
 def compiled_memory(cfg: ModelConfig, seq_len: int, batch: int) -> dict:
     """XLA's memory analysis of the compiled train step (nothing runs): temporaries = activations + workspace."""
     shapes = jax.eval_shape(lambda: init_train_state(Llama(cfg, jax.random.PRNGKey(0)), make_optimizer(OptimConfig(), Llama(cfg, jax.random.PRNGKey(0)), 10), 0))
@@ -193,6 +236,30 @@ def bench_memory(cfg: ModelConfig, seq_len: int, batch: int) -> dict:
     return rows
 
 
+def parse_variant(cfg: ModelConfig, spec: str) -> ModelConfig:
+    """'attention_block=0,logits_chunk=32' -> cfg with those model fields replaced ('' = cfg itself)."""
+    fields = {f.name: f.type for f in dataclasses.fields(ModelConfig)}
+    changes = {}
+    for item in filter(None, spec.split(",")):
+        key, _, value = item.partition("=")
+        if key not in fields:
+            raise SystemExit(f"error: --variants: {key!r} is not a model setting; choose from {', '.join(fields)}")
+        kind = type(getattr(cfg, key))
+        changes[key] = value.lower() in ("1", "true") if kind is bool else kind(value)
+    return dataclasses.replace(cfg, **changes)
+
+
+def bench_variants(name: str, specs: list[str], warmup: int, repeats: int) -> dict:
+    """The real JAX step of one shape under several model settings, raced in turns: what a change buys."""
+    cfg, seq_len, batch = SHAPES[name]
+    runners = {spec or "(as is)": jax_runner(parse_variant(cfg, spec), seq_len, batch) for spec in specs}
+    medians = race({spec: r["step"] for spec, r in runners.items()}, warmup, repeats)
+    base = next(iter(medians.values()))
+    for spec, step_s in medians.items():
+        print(f"{name:<11} {spec:<40} {step_s * 1e3:8.1f} ms {batch * seq_len / step_s:9.0f} tokens/s {base / step_s:6.2f}x")
+    return medians
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(prog="python -m recipes.bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
@@ -202,7 +269,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--no-compile", action="store_true", help="skip torch.compile (slow to compile on CPU)")
     p.add_argument("--no-memory", action="store_true", help="skip the remat / chunked-loss memory table")
     p.add_argument("--json", help="also write the results here")
+    p.add_argument("--variants", nargs="+", metavar="KEY=VALUE[,KEY=VALUE]",
+                   help="instead: race the JAX step of the first shape under these model settings ('' = as is)")
     args = p.parse_args(argv)
+    if args.variants:
+        return {"variants": bench_variants(args.shapes[0], args.variants, args.warmup, args.repeats)}
 
     peaks = {"jax": measure_matmul_peak()}
     if not args.no_torch:
@@ -232,7 +303,11 @@ def main(argv: list[str] | None = None) -> dict:
             ratio = f"{eager / r['step_s']:.2f}x" if eager else "-"
             print(f"{name:<11} {impl:<14} {r['tokens_per_s']:>9.0f} {r['model_flops_per_s'] / 1e9:>8.1f} "
                   f"{r['mfu']:>6.1%} {r['compile_s']:>9.1f} {ratio:>8}")
-        results["shapes"][name] = {"config": dataclasses.asdict(cfg), "seq_len": seq_len, "batch": batch, "runs": runs}
+        floor = matmul_floor(cfg, seq_len, batch)
+        floor["ceiling_mfu"] = fpt * batch * seq_len / floor["floor_s"] / peak
+        print(f"{name:<11} {'(matmuls)':<14} {batch * seq_len / floor['floor_s']:>9.0f} {'':>8} {floor['ceiling_mfu']:>6.1%}"
+              f"   the step's {floor['matmul_flops'] / 1e9:.1f} GFLOP of matmuls alone, each timed on its own")
+        results["shapes"][name] = {"config": dataclasses.asdict(cfg), "seq_len": seq_len, "batch": batch, "runs": runs, "matmul_floor": floor}
 
     cfg, seq_len, batch = SHAPES[args.shapes[0]]
     results["data_tokens_per_s"] = bench_data(seq_len, batch)

@@ -57,7 +57,10 @@ def test_compiled_memory_table_reports_remat_savings():
 
     none = compiled_memory(CFG, 32, 8)
     layer = compiled_memory(dataclasses.replace(CFG, remat="layer"), 32, 8)
-    assert 0 < layer["temp_bytes"] < none["temp_bytes"]
+    assert 0 < layer["temp_bytes"] < 0.8 * none["temp_bytes"]
+    # scan_unroll must not undo it: unrolled blocks would let XLA merge the recomputation into the forward.
+    unrolled = compiled_memory(dataclasses.replace(CFG, remat="layer", scan_unroll=CFG.n_layers), 32, 8)
+    assert unrolled["temp_bytes"] == layer["temp_bytes"]
 
 
 def test_race_takes_turns_and_reports_each_median():
@@ -75,3 +78,26 @@ def test_checkpoint_stall_is_measured_like_the_training_loop():
     stall = bench_checkpoint_stall(CFG, 16, 2, saves=2, every=2)
     assert 0 < stall["save_call_s"] and 0 < stall["step_s"]
     assert "next_step_extra_s" in stall
+
+
+def test_matmul_floor_counts_every_matmul_of_the_step():
+    """Forward, backward and the fused head: the floor's FLOPs are the model's FLOPs up to causal skipping."""
+    from lib.metrics import flops_per_token
+    from recipes.bench import matmul_floor
+
+    seq, batch = 16, 2
+    floor = matmul_floor(CFG, seq, batch, repeats=1)
+    model_flops = flops_per_token(CFG, seq) * seq * batch
+    assert 0 < floor["floor_s"]
+    # Attention is counted dense in model FLOPs but computed dense here too (attention_block 128 > seq).
+    assert floor["matmul_flops"] == pytest.approx(model_flops, rel=1e-6)
+
+
+def test_variants_are_model_settings_and_a_typo_is_named():
+    from recipes.bench import parse_variant
+
+    cfg = parse_variant(CFG, "attention_block=0,tie_embeddings=true,remat=layer")
+    assert (cfg.attention_block, cfg.tie_embeddings, cfg.remat) == (0, True, "layer")
+    assert parse_variant(CFG, "") == CFG
+    with pytest.raises(SystemExit, match="'atention_block' is not a model setting"):
+        parse_variant(CFG, "atention_block=0")

@@ -278,8 +278,9 @@ def test_nan_spike_and_corrupt_sample_are_skipped_quarantined_and_the_run_ends_l
     assert skipped == {12: "nonfinite_grad", 22: "loss_spike", 32: "nonfinite_loss"}
     assert not any("event" in r for r in rows)  # isolated skips: no rollback needed
     assert [r["step"] for r in step_rows(rows)] == list(range(1, 41))
-    # Before the first fault the runs are the same run, bit for bit.
-    assert [r["loss"] for r in step_rows(rows)[:12]] == [r["loss"] for r in step_rows(clean_run)[:12]]
+    # Before the first fault the runs are the same run. The fault hooks make it a different XLA program,
+    # which may sum the fused loss in another order: the logged loss can differ in its last bit.
+    np.testing.assert_allclose([r["loss"] for r in step_rows(rows)[:12]], [r["loss"] for r in step_rows(clean_run)[:12]], rtol=1e-6)
     entries = read_quarantine(run_dir / "quarantine.jsonl")
     assert [(e["step"], e["reason"]) for e in entries] == sorted(skipped.items())
     by_step = {r["step"]: r for r in step_rows(rows)}
