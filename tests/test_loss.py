@@ -60,7 +60,7 @@ def test_perplexity_and_mse():
     assert float(mse(jnp.array([1.0, 3.0]), jnp.array([0.0, 0.0]))) == pytest.approx(5.0)
 
 
-@pytest.mark.parametrize("chunk", [5, 16, 64])
+@pytest.mark.parametrize("chunk", [5, 16])  # of T = 9 positions: two chunks (the second padded), one chunk
 def test_chunked_loss_equals_plain_loss_in_value_and_gradient(chunk):
     k1, k2, k3 = jax.random.split(jax.random.PRNGKey(0), 3)
     hidden = jax.random.normal(k1, (3, 9, 8))
