@@ -41,10 +41,9 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from lib.config import Config, ConfigError, ParallelConfig
-from lib.loss import next_token_loss_sum
 from lib.model import Llama
 from lib.placement import Placement
-from lib.train_state import Batch, model_loss_sum
+from lib.train_state import Batch, head_loss_sum, model_loss_sum
 
 MESH_AXES = ("stage", "data", "fsdp")  # stage outermost: it carries the least traffic (activations only)
 ROW_AXES = ("data", "fsdp")  # within a stage, each micro-batch's rows are split over these
@@ -258,8 +257,7 @@ def make_pipelined_loss_sum(schedule: Schedule, mesh: Mesh, stage_remat: bool, r
         y = run_pipelined_blocks(model, as_micro(model.embed_tokens(tokens)), context, schedule, mesh, stage_remat)
         # The head and loss split rows over every device, not only one stage's (the head is costly).
         y = jax.lax.with_sharding_constraint(y.reshape(n_rows, seq, -1), rows)
-        logits = model.logits(model.final_norm(y))
-        return next_token_loss_sum(logits, tokens, batch["mask"], z_loss)
+        return head_loss_sum(model, model.final_norm(y), tokens, batch["mask"], z_loss)
 
     return loss_sum
 

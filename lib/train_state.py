@@ -42,14 +42,19 @@ def init_train_state(model: Llama, optimizer: optax.GradientTransformation, seed
     )
 
 
-def model_loss_sum(model: Llama, batch: Batch, z_loss: float):
+def head_loss_sum(model: Llama, hidden, tokens, mask, z_loss: float):
+    """LM head + next-token loss on the final hidden states: fused in chunks (model.logits_chunk) or plain."""
     chunk = model.cfg.logits_chunk
-    hidden = model.hidden(batch["tokens"], segment_ids=batch.get("segment_ids"))
     if chunk:  # never materialise the full [tokens x vocab] logits
-        return chunked_next_token_loss_sum(hidden, model.head_weight(), batch["tokens"], batch["mask"], chunk, z_loss)
+        return chunked_next_token_loss_sum(hidden, model.head_weight(), tokens, mask, chunk, z_loss)
     # Drop the last position before the LM head, not after: slicing [tokens x vocab] logits costs a full copy.
-    targets, valid = shift_for_next_token(batch["tokens"], batch["mask"])
+    targets, valid = shift_for_next_token(tokens, mask)
     return target_loss_sum(model.logits(hidden[:, :-1]), targets, valid, z_loss)
+
+
+def model_loss_sum(model: Llama, batch: Batch, z_loss: float):
+    hidden = model.hidden(batch["tokens"], segment_ids=batch.get("segment_ids"))
+    return head_loss_sum(model, hidden, batch["tokens"], batch["mask"], z_loss)
 
 
 def split_micro_batches(batch: Batch, accum_steps: int) -> Batch:

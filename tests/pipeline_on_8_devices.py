@@ -39,12 +39,13 @@ from lib.guard import StepGuard  # noqa: E402
 from lib.train_state import init_train_state, model_loss_sum  # noqa: E402
 from recipes import pretrain  # noqa: E402
 
-# The smoke experiment, deep enough for 8 stages x 2 repeats, with one validation batch at step 20.
+# The smoke experiment, deep enough for 8 stages x 2 repeats, with one validation batch at step 20,
+# and the fused LM head in two chunks of the 32 positions.
 # Warmup lasts 20 steps, so the learning rate of steps 1-21 does not depend on trainer.steps (20 or 21).
 BASE = [
     "+exp=smoke", "trainer.progress=false", "logger.wandb=disabled", "model.n_layers=16",
     "trainer.batch_size=8", "trainer.steps=20", "trainer.eval_every=20", "trainer.eval_batches=1", "trainer.ckpt_every=20",
-    "optim.warmup_steps=20",
+    "optim.warmup_steps=20", "model.logits_chunk=16",
 ]
 PIPELINES = {  # name -> overrides; stages x fsdp on 8 devices
     "gpipe_4x2": ["parallel=pipeline", "parallel.stages=4", "parallel.microbatches=4"],
