@@ -21,12 +21,20 @@ def _at_least_f32(x):
     return x.astype(jnp.promote_types(x.dtype, jnp.float32))
 
 
-def token_nll(logits: Float[Array, "... v"], targets: Int[Array, "..."]) -> Float[Array, "..."]:
-    """-ln p(target) per position, from a fused log-softmax (logsumexp - logit), in fp32."""
+def _nll_and_lse(logits, targets, z_loss: float = 0.0):
+    """Per position: -ln p(target) (+ z-loss), and the log-partition lse it was computed from, in fp32."""
     logits = _at_least_f32(logits)
     lse = jax.nn.logsumexp(logits, axis=-1)
-    target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-    return lse - target_logit
+    nll = lse - jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    if z_loss:
+        # z-loss keeps log Z near 0 so the softmax stays well conditioned (PaLM).
+        nll = nll + z_loss * jnp.square(lse)
+    return nll, lse
+
+
+def token_nll(logits: Float[Array, "... v"], targets: Int[Array, "..."]) -> Float[Array, "..."]:
+    """-ln p(target) per position, from a fused log-softmax (logsumexp - logit), in fp32."""
+    return _nll_and_lse(logits, targets)[0]
 
 
 def shift_for_next_token(tokens: Int[Array, "b t"], mask: Bool[Array, "b t"]):
@@ -41,11 +49,7 @@ def target_loss_sum(
     z_loss: float = 0.0,
 ) -> tuple[Float[Array, ""], Int[Array, ""]]:
     """Sum of NLL (plus optional z-loss) of `targets` under `logits`, over valid positions, and their count."""
-    logits = _at_least_f32(logits)
-    nll = token_nll(logits, targets)
-    if z_loss:
-        # z-loss keeps log Z near 0 so the softmax stays well conditioned (PaLM).
-        nll = nll + z_loss * jnp.square(jax.nn.logsumexp(logits, axis=-1))
+    nll, _ = _nll_and_lse(logits, targets, z_loss)
     nll = jnp.where(valid, nll, 0.0)  # where, not multiply: 0 * inf would be nan
     return nll.sum(), valid.sum()
 
@@ -77,10 +81,7 @@ def mse(pred, target):
 def _chunk_nll_and_dlogits(h_c, w, t_c, v_c, z_loss: float, with_grad: bool):
     """One chunk [b, c, d] of positions: its NLL sum and, if asked, d(NLL sum)/d(logits) [b, c, v] in h's dtype."""
     logits = jnp.einsum("bcd,dv->bcv", h_c, w.astype(h_c.dtype), preferred_element_type=_at_least_f32(h_c).dtype)
-    lse = jax.nn.logsumexp(logits, axis=-1)
-    nll = lse - jnp.take_along_axis(logits, t_c[..., None], axis=-1)[..., 0]
-    if z_loss:
-        nll = nll + z_loss * jnp.square(lse)
+    nll, lse = _nll_and_lse(logits, t_c, z_loss)
     total = jnp.where(v_c, nll, 0.0).sum()
     if not with_grad:
         return total, None

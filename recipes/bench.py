@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lib.config import DataConfig, ModelConfig, OptimConfig
+from lib.jaxprs import equations
 from lib.metrics import flops_per_token, measure_matmul_peak
 from lib.model import Llama
 from lib.optim import lr_schedule, make_optimizer
@@ -180,20 +181,10 @@ def step_matmuls(cfg: ModelConfig, seq_len: int, batch: int) -> collections.Coun
     Read from the step's jaxpr (forward, backward, optimizer), counting a scan body once per iteration."""
     state, device_batch, step = jax_step_setup(cfg, seq_len, batch)
     found: collections.Counter = collections.Counter()
-
-    def walk(jaxpr, times: int):
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "dot_general":
-                lhs, rhs = (v.aval for v in eqn.invars)
-                found[(lhs.shape, rhs.shape, str(lhs.dtype), eqn.params["dimension_numbers"])] += times
-            inner_times = times * (eqn.params.get("length", 1) if eqn.primitive.name == "scan" else 1)
-            for param in eqn.params.values():
-                for sub in param if isinstance(param, (tuple, list)) else [param]:
-                    inner = getattr(sub, "jaxpr", sub)
-                    if hasattr(inner, "eqns"):
-                        walk(inner, inner_times)
-
-    walk(jax.make_jaxpr(step)(state, device_batch).jaxpr, 1)
+    for eqn, times in equations(jax.make_jaxpr(step)(state, device_batch)):
+        if eqn.primitive.name == "dot_general":
+            lhs, rhs = (v.aval for v in eqn.invars)
+            found[(lhs.shape, rhs.shape, str(lhs.dtype), eqn.params["dimension_numbers"])] += times
     return found
 
 

@@ -3,6 +3,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from lib.jaxprs import equations
 from lib.loss import chunked_next_token_loss_sum, mse, next_token_loss_sum, perplexity, token_nll, valid_token_mean
 
 
@@ -82,19 +83,8 @@ def test_chunked_loss_equals_plain_loss_in_value_and_gradient(chunk):
 
 def largest_intermediate(fn, *args) -> int:
     """Elements of the biggest array any equation of fn's jaxpr (sub-jaxprs of scans etc. included) produces."""
-
-    def walk(jaxpr):
-        sizes = [0]
-        for eqn in jaxpr.eqns:
-            sizes += [int(np.prod(v.aval.shape)) for v in eqn.outvars if hasattr(v.aval, "shape")]
-            for param in eqn.params.values():
-                for sub in param if isinstance(param, (tuple, list)) else [param]:
-                    inner = getattr(sub, "jaxpr", sub)
-                    if hasattr(inner, "eqns"):
-                        sizes.append(walk(inner))
-        return max(sizes)
-
-    return walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    eqns = equations(jax.make_jaxpr(fn)(*args))
+    return max(int(np.prod(v.aval.shape)) for eqn, _ in eqns for v in eqn.outvars if hasattr(v.aval, "shape"))
 
 
 def test_chunked_loss_never_holds_all_logits_in_forward_or_backward():
