@@ -147,6 +147,9 @@ class TrainerConfig:
     keep_last: int = 2
     keep_every: int = 0
     async_checkpoint: bool = True
+    # Keep freed host memory for reuse (glibc only): XLA:CPU allocates its scratch space anew every step,
+    # and handing it back to the OS costs page faults in the step and ~20 ms of munmap after it (lib/host_memory.py).
+    keep_host_memory: bool = True
     # Peak FLOP/s for MFU on hardware not in the table (CPU): 0 = measure a matmul.
     peak_flops: float = 0.0
     progress: bool = True

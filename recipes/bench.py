@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lib.config import DataConfig, ModelConfig, OptimConfig
+from lib.host_memory import keep_freed_memory
 from lib.jaxprs import equations
 from lib.metrics import flops_per_token, measure_matmul_peak
 from lib.model import Llama
@@ -260,9 +261,13 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--no-compile", action="store_true", help="skip torch.compile (slow to compile on CPU)")
     p.add_argument("--no-memory", action="store_true", help="skip the remat / chunked-loss memory table")
     p.add_argument("--json", help="also write the results here")
+    p.add_argument("--default-malloc", action="store_true",
+                   help="leave glibc's malloc as it is (the recipe keeps freed host memory: trainer.keep_host_memory)")
     p.add_argument("--variants", nargs="+", metavar="KEY=VALUE[,KEY=VALUE]",
                    help="instead: race the JAX step of the first shape under these model settings ('' = as is)")
     args = p.parse_args(argv)
+    if not args.default_malloc:
+        keep_freed_memory()  # as recipes.pretrain does, before JAX starts its threads
     if args.variants:
         return {"variants": bench_variants(args.shapes[0], args.variants, args.warmup, args.repeats)}
 

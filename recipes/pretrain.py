@@ -28,6 +28,7 @@ from lib.evaluation import per_source_val_losses
 from lib.faults import stalled_commit_path
 from lib.guard import StepGuard
 from lib.guard_host import HostGuard, check_guard_matches
+from lib.host_memory import keep_freed_memory
 from lib.metrics import MetricsWriter, flops_per_token, peak_flops_per_device, peak_memory_bytes, read_metrics
 from lib.mixture import MixtureCounter
 from lib.model import Llama, count_params
@@ -59,7 +60,9 @@ def keep_metrics_up_to(run_dir: Path, step: int) -> None:
 
 
 def train(cfg: Config) -> dict:
-    # First: joining a multi-host run must precede any other JAX call, and a mesh or pipeline
+    if cfg.trainer.keep_host_memory:
+        keep_freed_memory()  # before JAX starts its threads: they must all take the one malloc arena
+    # Then: joining a multi-host run must precede any other JAX call, and a mesh or pipeline
     # that does not fit the devices stops here, before anything is written.
     placement = make_placement(cfg)
     cfg = adopt_init_architecture(cfg)  # trainer.init_from, when set, decides the model's shape

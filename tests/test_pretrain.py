@@ -69,8 +69,18 @@ def test_train_step_compiles_once(monkeypatch, tmp_path):
         return steps[-1]
 
     monkeypatch.setattr(pretrain, "make_train_step", spy)
+    kept = []
+    monkeypatch.setattr(pretrain, "keep_freed_memory", lambda: kept.append(True))
     pretrain.train(load_config(smoke_overrides(tmp_path / "r", "trainer.steps=4")))
     assert steps[0]._cache_size() == 1
+    assert kept == [True]  # trainer.keep_host_memory defaults to on (tests/test_host_memory.py: what it does)
+
+
+def test_keep_host_memory_false_leaves_malloc_alone(monkeypatch, tmp_path):
+    kept = []
+    monkeypatch.setattr(pretrain, "keep_freed_memory", lambda: kept.append(True))
+    pretrain.train(load_config(smoke_overrides(tmp_path / "r", "trainer.steps=1", "trainer.keep_host_memory=false")))
+    assert kept == []
 
 
 def test_checkpoint_of_another_model_shape_stops_cleanly(finished_run, capsys):
