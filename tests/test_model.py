@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from lib.config import ModelConfig
+from lib.jaxprs import equations
 from lib.loss import valid_token_mean
 from lib.model import Llama, count_params
 
@@ -24,6 +25,18 @@ def test_shapes_dtype_and_stacked_layers():
     assert model.blocks.attn.wk.shape == (2, 32, 16)  # grouped-query: 2 kv heads of 8
     hidden, per_layer = model.hidden(tokens(), collect=True)
     assert per_layer.shape == (2, 2, 12, 32)  # [layer, batch, time, d]
+
+
+def test_default_positions_give_constant_rope_tables_equal_to_explicit_positions():
+    model = Llama(CFG, jax.random.PRNGKey(0))
+    t = tokens()
+    explicit = model.context(t, positions=jnp.broadcast_to(jnp.arange(12), t.shape))
+    for got, want in zip(model.context(t), explicit):
+        np.testing.assert_array_equal(got, want)
+    # Inside a jitted step no cos/sin is left to compute: XLA would otherwise redo it in every layer.
+    ops = {eqn.primitive.name for eqn, _ in equations(jax.make_jaxpr(lambda x: model.context(x))(t))}
+    assert not ops & {"sin", "cos"}
+    assert {"sin", "cos"} <= {eqn.primitive.name for eqn, _ in equations(jax.make_jaxpr(lambda x, p: model.context(x, p))(t, t))}
 
 
 def test_causal_future_tokens_do_not_change_the_past():
