@@ -4,6 +4,7 @@
     python -m recipes.bench --shapes issue --repeats 10 --no-compile
     python -m recipes.bench --json runs/bench.json
     python -m recipes.bench --shapes issue --variants "" attention_block=0 logits_chunk=0   # what a setting buys
+    python -m recipes.bench --shapes issue --default-malloc   # without trainer.keep_host_memory's malloc settings
 
 For each shape it prints tokens/s, model FLOP/s (6 x matmul weights + attention,
 per token), MFU against the measured fp32 matmul peak of this machine, compile
