@@ -85,7 +85,11 @@ def read_documents(patterns: list[str], text_key: str = "text") -> Iterator[Docu
     paths = sorted({p for pat in patterns for p in glob.glob(os.path.expanduser(pat), recursive=True) if os.path.isfile(p)})
     if not paths:
         raise DataError(f"no input files match {patterns}; check the path or glob (quote it so the shell leaves it alone)")
+    # Documents are named relative to the files' common folder, so the held-out split (a hash of
+    # the name) stays the same when the data moves to another folder or machine.
+    root = os.path.dirname(paths[0]) if len(paths) == 1 else os.path.commonpath(paths)
     for path in paths:
+        name = os.path.relpath(path, root)
         if path.endswith(".jsonl"):
             with open(path, encoding="utf-8") as f:
                 for i, line in enumerate(f):
@@ -93,7 +97,7 @@ def read_documents(patterns: list[str], text_key: str = "text") -> Iterator[Docu
                         row = json.loads(line)
                         if text_key not in row:
                             raise DataError(f"{path}:{i + 1} has no '{text_key}' field; pass --text-key with the right field name")
-                        yield f"{path}:{i}", str(row[text_key])
+                        yield f"{name}:{i}", str(row[text_key])
         elif path.endswith(".parquet"):
             import pyarrow.parquet as pq
 
@@ -101,10 +105,10 @@ def read_documents(patterns: list[str], text_key: str = "text") -> Iterator[Docu
             if text_key not in table.column_names:
                 raise DataError(f"{path} has no column '{text_key}'; pass --text-key with one of {table.column_names}")
             for i, text in enumerate(table.column(text_key).to_pylist()):
-                yield f"{path}:{i}", str(text)
+                yield f"{name}:{i}", str(text)
         else:
             try:
-                yield path, Path(path).read_text(encoding="utf-8")
+                yield name, Path(path).read_text(encoding="utf-8")
             except UnicodeDecodeError:
                 print(f"skipping {path}: not UTF-8 text", file=sys.stderr)
 

@@ -20,6 +20,16 @@ def test_validation_split_is_a_fixed_function_of_names():
     assert not set(n for n, _ in val1) & set(n for n, _ in train1)
 
 
+def test_validation_split_does_not_depend_on_where_the_data_lives(tmp_path):
+    for folder in ("a", "deeper/b"):
+        (tmp_path / folder / "sub").mkdir(parents=True)
+        for i in range(60):
+            (tmp_path / folder / ("sub" if i % 2 else "") / f"doc{i}.txt").write_text(f"text {i}")
+    splits = [split_train_val(list(read_documents([str(tmp_path / f / "**" / "*.txt")])), 10) for f in ("a", "deeper/b")]
+    assert splits[0] == splits[1] and splits[0][1]  # same names, same held-out documents
+    assert "sub/doc1.txt" in [n for n, _ in splits[0][0] + splits[0][1]]
+
+
 def test_stdlib_documents_exclude_site_packages():
     docs = stdlib_documents(200_000)
     assert docs and sum(len(t) for _, t in docs) >= 200_000
