@@ -91,9 +91,9 @@ def _chunk_nll_and_dlogits(h_c, w, t_c, v_c, z_loss: float, with_grad: bool):
     return total, jnp.where(v_c[..., None], dlogits, 0.0).astype(h_c.dtype)
 
 
-def _chunks(x, n_chunks: int):
-    """[b, t, ...] -> [n_chunks, b, t / n_chunks, ...]: chunks along the sequence, each keeping the whole batch."""
-    return x.reshape(x.shape[0], n_chunks, -1, *x.shape[2:]).swapaxes(0, 1)
+def _chunks(n_chunks: int, *xs):
+    """Each [b, t, ...] -> [n_chunks, b, t / n_chunks, ...]: chunks along the sequence, each keeping the whole batch."""
+    return tuple(x.reshape(x.shape[0], n_chunks, -1, *x.shape[2:]).swapaxes(0, 1) for x in xs)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(4, 5))
@@ -104,8 +104,7 @@ def _linear_cross_entropy(h, w, targets, valid, n_chunks: int, z_loss: float):
         h_c, t_c, v_c = xs
         return total + _chunk_nll_and_dlogits(h_c, w, t_c, v_c, z_loss, with_grad=False)[0], None
 
-    xs = (_chunks(h, n_chunks), _chunks(targets, n_chunks), _chunks(valid, n_chunks))
-    return jax.lax.scan(body, jnp.zeros((), _at_least_f32(h).dtype), xs)[0]
+    return jax.lax.scan(body, jnp.zeros((), _at_least_f32(h).dtype), _chunks(n_chunks, h, targets, valid))[0]
 
 
 def _linear_cross_entropy_fwd(h, w, targets, valid, n_chunks, z_loss):
@@ -119,9 +118,8 @@ def _linear_cross_entropy_fwd(h, w, targets, valid, n_chunks, z_loss):
         dw = dw + jnp.einsum("bcd,bcv->dv", h_c, dlogits, preferred_element_type=dw.dtype)
         return (total + nll, dw), dh_c
 
-    xs = (_chunks(h, n_chunks), _chunks(targets, n_chunks), _chunks(valid, n_chunks))
     init = (jnp.zeros((), _at_least_f32(h).dtype), jnp.zeros(w.shape, _at_least_f32(w).dtype))
-    (total, dw), dh = jax.lax.scan(body, init, xs)
+    (total, dw), dh = jax.lax.scan(body, init, _chunks(n_chunks, h, targets, valid))
     return total, (dh.swapaxes(0, 1).reshape(h.shape), dw.astype(w.dtype), targets, valid)
 
 
@@ -151,14 +149,12 @@ def chunked_next_token_loss_sum(
     matmuls with no recomputation. Chunks run along the sequence, so a batch split over devices
     stays split. Forward-mode AD is not defined through it (gradient checks use the VJP).
     """
-    b, t = tokens.shape
-    # Every position predicts the next token; the last has none, so it is padding rather than a slice of h.
-    targets = jnp.concatenate([tokens[:, 1:], jnp.zeros((b, 1), tokens.dtype)], axis=1)
-    valid = jnp.concatenate([mask[:, 1:], jnp.zeros((b, 1), bool)], axis=1)
+    t = tokens.shape[1]
     chunk = min(chunk_positions, t)
     pad = -t % chunk
     if pad:
         hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0)))
-        targets, valid = jnp.pad(targets, ((0, 0), (0, pad))), jnp.pad(valid, ((0, 0), (0, pad)))
+    # The last position predicts nothing: it is padded out (valid=False) rather than sliced off h.
+    targets, valid = (jnp.pad(x, ((0, 0), (0, 1 + pad))) for x in shift_for_next_token(tokens, mask))
     total = _linear_cross_entropy(hidden, head, targets, valid, (t + pad) // chunk, float(z_loss))
     return total, valid.sum()
