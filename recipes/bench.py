@@ -7,7 +7,8 @@
     python -m recipes.bench --shapes issue --default-malloc   # without trainer.keep_host_memory's malloc settings
 
 For each shape it prints tokens/s, model FLOP/s (6 x matmul weights + attention,
-per token), MFU against the measured fp32 matmul peak of this machine, compile
+per token), MFU against the measured fp32 1024^3 matmul peak of this machine
+(timed in the same race, so that this VM's drift moves both alike), compile
 time, and the JAX / PyTorch ratios; then the "matmul floor": the step's own
 matmuls (read from its jaxpr), run back to back in the same race, i.e. the
 tokens/s and MFU of a step that ran its matmuls and nothing else (a yardstick:
@@ -36,7 +37,7 @@ import numpy as np
 from lib.config import DataConfig, ModelConfig, OptimConfig
 from lib.host_memory import keep_freed_memory
 from lib.jaxprs import equations
-from lib.metrics import flops_per_token, measure_matmul_peak
+from lib.metrics import flops_per_token
 from lib.model import Llama
 from lib.optim import lr_schedule, make_optimizer
 from lib.train_state import init_train_state, make_train_step
@@ -128,13 +129,30 @@ def torch_runner(cfg: ModelConfig, seq_len: int, batch: int, compile: bool) -> d
     return {"step": lambda: step(t, m).item(), "compile_s": time.perf_counter() - t0}
 
 
-def torch_matmul_peak(n: int = 1024, repeats: int = 20) -> float:
-    import torch
+def peak_runner(with_torch: bool, n: int = 1024, calls: int = 3) -> dict:
+    """The fp32 n^3 matmul peak as a racer: each turn runs the matmul `calls` times in JAX (and PyTorch)
+    and keeps the best rate of the turn. Taking turns with the steps, the peak sees the same machine as
+    they do: a peak measured once, at a fast or slow moment of this VM, would move every MFU with it."""
+    a = jnp.ones((n, n), jnp.float32)
+    mm = jax.jit(lambda x: x @ x).lower(a).compile()
+    runs = {"jax": lambda: mm(a).block_until_ready()}
+    if with_torch:
+        import torch
 
-    a = torch.ones(n, n)
-    a @ a
-    best = min(median_time(lambda: a @ a, 1) for _ in range(repeats))
-    return 2 * n**3 / best
+        b = torch.ones(n, n)
+        runs["torch"] = lambda: b @ b
+    rates: dict[str, list[float]] = {name: [] for name in runs}
+
+    def one():
+        for name, fn in runs.items():
+            rates[name].append(2 * n**3 / min(median_time(fn, 1) for _ in range(calls)))
+
+    return {"step": one, "rates": rates}
+
+
+def raced_peak(rates: dict[str, list[float]], warmup: int) -> dict[str, float]:
+    """Median over the race's turns (warm-up turns left out) of each framework's best rate in a turn."""
+    return {name: statistics.median(r[warmup:]) for name, r in rates.items()}
 
 
 def bench_data(seq_len: int, batch: int, n_batches: int = 200) -> float:
@@ -280,13 +298,8 @@ def main(argv: list[str] | None = None) -> dict:
     if args.variants:
         return {"variants": bench_variants(args.shapes[0], args.variants, args.warmup, args.repeats)}
 
-    peaks = {"jax": measure_matmul_peak()}
-    if not args.no_torch:
-        peaks["torch"] = torch_matmul_peak()
-    peak = max(peaks.values())
-    print(f"device: {jax.devices()[0].device_kind}; measured fp32 1024^3 matmul peak: "
-          + ", ".join(f"{k} {v / 1e9:.1f} GFLOP/s" for k, v in peaks.items()))
-    results = {"peak_flops": peak, "peaks": peaks, "shapes": {}}
+    print(f"device: {jax.devices()[0].device_kind}")
+    results = {"shapes": {}}
     header = f"{'shape':<11} {'impl':<14} {'tokens/s':>9} {'GFLOP/s':>8} {'MFU':>6} {'compile s':>9} {'vs eager':>8}"
     print(header + "\n" + "-" * len(header))
     for name in args.shapes:
@@ -297,9 +310,13 @@ def main(argv: list[str] | None = None) -> dict:
             if not args.no_compile:
                 runs["torch.compile"] = torch_runner(cfg, seq_len, batch, compile=True)
         floor = matmul_runner(cfg, seq_len, batch)
-        medians = race({**{impl: r.pop("step") for impl, r in runs.items()}, "(matmuls)": floor.pop("step")},
-                       args.warmup, args.repeats)
+        peak_run = peak_runner(with_torch=not args.no_torch)
+        medians = race({**{impl: r.pop("step") for impl, r in runs.items()}, "(matmuls)": floor.pop("step"),
+                        "(peak)": peak_run["step"]}, args.warmup, args.repeats)
         floor["floor_s"] = medians.pop("(matmuls)")
+        medians.pop("(peak)")
+        peaks = raced_peak(peak_run["rates"], args.warmup)
+        peak = max(peaks.values())
         for impl, r in runs.items():
             r["step_s"] = medians[impl]
         fpt = flops_per_token(cfg, seq_len)
@@ -314,7 +331,10 @@ def main(argv: list[str] | None = None) -> dict:
         floor["mfu"] = fpt * batch * seq_len / floor["floor_s"] / peak
         print(f"{name:<11} {'(matmuls)':<14} {batch * seq_len / floor['floor_s']:>9.0f} {'':>8} {floor['mfu']:>6.1%}"
               f"   the step's {floor['matmul_flops'] / 1e9:.1f} GFLOP of matmuls alone, one after another")
-        results["shapes"][name] = {"config": dataclasses.asdict(cfg), "seq_len": seq_len, "batch": batch, "runs": runs, "matmul_floor": floor}
+        print(f"{name:<11} {'(1024^3 peak)':<14} {'':>9} {peak / 1e9:>8.1f} {'100%':>6}   fp32 1024^3 matmul, best of 3 per turn: "
+              + ", ".join(f"{k} {v / 1e9:.1f}" for k, v in peaks.items()) + " GFLOP/s")
+        results["shapes"][name] = {"config": dataclasses.asdict(cfg), "seq_len": seq_len, "batch": batch, "runs": runs,
+                                   "matmul_floor": floor, "peak_flops": peak, "peaks": peaks, "peak_turns": peak_run["rates"]}
 
     cfg, seq_len, batch = SHAPES[args.shapes[0]]
     results["data_tokens_per_s"] = bench_data(seq_len, batch)

@@ -101,3 +101,13 @@ def test_variants_are_model_settings_and_a_typo_is_named():
     assert parse_variant(CFG, "") == CFG
     with pytest.raises(SystemExit, match="'atention_block' is not a model setting"):
         parse_variant(CFG, "atention_block=0")
+
+
+def test_peak_takes_part_in_the_race_and_drops_its_warm_up_turns():
+    from recipes.bench import peak_runner, race, raced_peak
+
+    peak = peak_runner(with_torch=True, n=64, calls=2)
+    race({"(peak)": peak["step"]}, warmup=1, repeats=3)
+    assert set(peak["rates"]) == {"jax", "torch"} and all(len(r) == 4 for r in peak["rates"].values())
+    assert all(rate > 0 for r in peak["rates"].values() for rate in r)
+    assert raced_peak({"jax": [1.0, 5.0, 2.0, 3.0]}, warmup=1) == {"jax": 3.0}  # the warm-up turn (1.0) is not counted
