@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import importlib.util
 import json
 import statistics
 import sys
@@ -293,6 +294,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--variants", nargs="+", metavar="KEY=VALUE[,KEY=VALUE]",
                    help="instead: race the JAX step of the first shape under these model settings ('' = as is)")
     args = p.parse_args(argv)
+    if not args.no_torch and not args.variants and importlib.util.find_spec("torch") is None:
+        raise SystemExit("error: the PyTorch columns need torch: pip install -e '.[torch]', or pass --no-torch")
     if not args.default_malloc:
         keep_freed_memory()  # as recipes.pretrain does, before JAX starts its threads
     if args.variants:

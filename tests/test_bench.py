@@ -111,3 +111,14 @@ def test_peak_takes_part_in_the_race_and_drops_its_warm_up_turns():
     assert set(peak["rates"]) == {"jax", "torch"} and all(len(r) == 4 for r in peak["rates"].values())
     assert all(rate > 0 for r in peak["rates"].values() for rate in r)
     assert raced_peak({"jax": [1.0, 5.0, 2.0, 3.0]}, warmup=1) == {"jax": 3.0}  # the warm-up turn (1.0) is not counted
+
+
+def test_missing_torch_is_a_one_line_error_naming_the_fix(monkeypatch):
+    import importlib.util
+
+    from recipes import bench
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torch" else real(name, *a))
+    with pytest.raises(SystemExit, match=r"pip install -e '\.\[torch\]', or pass --no-torch"):
+        bench.main(["--shapes", "issue"])
