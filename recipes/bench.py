@@ -53,6 +53,18 @@ SHAPES = {
 # blocks of 128, no remat, fp32. scan_unroll=4 is what conf/model/small.yaml sets for these 4-layer models.
 
 
+def count_at_least(minimum: int):
+    """An argparse type: an integer >= minimum, so that `--repeats 0` is a one-line usage error, not a traceback."""
+
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+
+    return parse
+
+
 def median_time(fn, repeats: int) -> float:
     times = []
     for _ in range(repeats):
@@ -283,8 +295,8 @@ def bench_variants(name: str, specs: list[str], warmup: int, repeats: int) -> di
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(prog="python -m recipes.bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=8)
+    p.add_argument("--warmup", type=count_at_least(0), default=2)
+    p.add_argument("--repeats", type=count_at_least(1), default=8)
     p.add_argument("--no-torch", action="store_true", help="skip the PyTorch columns")
     p.add_argument("--no-compile", action="store_true", help="skip torch.compile (slow to compile on CPU)")
     p.add_argument("--no-memory", action="store_true", help="skip the remat / chunked-loss memory table")

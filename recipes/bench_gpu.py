@@ -22,7 +22,7 @@ import jax
 from lib.config import ModelConfig
 from lib.metrics import flops_per_token, lookup_peak_flops, measure_matmul_peak
 from lib.model import Llama, count_params
-from recipes.bench import bench_jax
+from recipes.bench import bench_jax, count_at_least
 
 # logits_chunk / attention_block: 512 positions per LM-head chunk ([8, 512, 32000] fp32 logits = 0.5 GB) and
 # 4 causal query blocks over 2048 positions (the CPU default of 128 would make 16 small ones).
@@ -35,11 +35,11 @@ TINY = ModelConfig(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128, vo
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(prog="python -m recipes.bench_gpu", description=__doc__.split("\n\n")[0])
     p.add_argument("--tiny", action="store_true", help="toy shape, for checking the script itself")
-    p.add_argument("--seq-len", type=int, default=None)
-    p.add_argument("--batch", type=int, default=None, help="sequences per step")
+    p.add_argument("--seq-len", type=count_at_least(2), default=None)
+    p.add_argument("--batch", type=count_at_least(1), default=None, help="sequences per step")
     p.add_argument("--remat", choices=["none", "layer", "selective"], default=None)
-    p.add_argument("--repeats", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--repeats", type=count_at_least(1), default=10)
+    p.add_argument("--warmup", type=count_at_least(0), default=3)
     p.add_argument("--peak-flops", type=float, default=0.0, help="override the table (FLOP/s of one device)")
     p.add_argument("--json", help="also write the result here")
     args = p.parse_args(argv)

@@ -122,3 +122,12 @@ def test_missing_torch_is_a_one_line_error_naming_the_fix(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torch" else real(name, *a))
     with pytest.raises(SystemExit, match=r"pip install -e '\.\[torch\]', or pass --no-torch"):
         bench.main(["--shapes", "issue"])
+
+
+@pytest.mark.parametrize("module,argv", [("bench", ["--repeats", "0"]), ("bench_gpu", ["--tiny", "--batch", "0"])])
+def test_impossible_counts_are_usage_errors(module, argv, capsys):
+    import importlib
+
+    with pytest.raises(SystemExit) as exit_info:
+        importlib.import_module(f"recipes.{module}").main(argv)
+    assert exit_info.value.code == 2 and "must be at least 1, got 0" in capsys.readouterr().err
