@@ -25,6 +25,7 @@ import collections
 import dataclasses
 import importlib.util
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -63,6 +64,18 @@ def count_at_least(minimum: int):
         return value
 
     return parse
+
+
+def prepare_output_folder(path: str | None) -> None:
+    """Create the results' folder up front (`--json runs/bench.json` on a fresh clone), and fail before
+    minutes of timing, not after, if it cannot be made."""
+    if path:
+        folder = os.path.dirname(os.path.abspath(path))
+        try:
+            os.makedirs(folder, exist_ok=True)
+        except OSError as e:
+            why = "a file is in the way" if isinstance(e, FileExistsError) else e.strerror
+            raise SystemExit(f"error: --json {path}: cannot create the folder {folder} ({why}); choose another path")
 
 
 def median_time(fn, repeats: int) -> float:
@@ -306,6 +319,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--variants", nargs="+", metavar="KEY=VALUE[,KEY=VALUE]",
                    help="instead: race the JAX step of the first shape under these model settings ('' = as is)")
     args = p.parse_args(argv)
+    prepare_output_folder(args.json)
     if not args.no_torch and not args.variants and importlib.util.find_spec("torch") is None:
         raise SystemExit("error: the PyTorch columns need torch: pip install -e '.[torch]', or pass --no-torch")
     if not args.default_malloc:

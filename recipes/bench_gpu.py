@@ -22,7 +22,7 @@ import jax
 from lib.config import ModelConfig
 from lib.metrics import flops_per_token, lookup_peak_flops, measure_matmul_peak
 from lib.model import Llama, count_params
-from recipes.bench import bench_jax, count_at_least
+from recipes.bench import bench_jax, prepare_output_folder, count_at_least
 
 # logits_chunk / attention_block: 512 positions per LM-head chunk ([8, 512, 32000] fp32 logits = 0.5 GB) and
 # 4 causal query blocks over 2048 positions (the CPU default of 128 would make 16 small ones).
@@ -43,6 +43,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--peak-flops", type=float, default=0.0, help="override the table (FLOP/s of one device)")
     p.add_argument("--json", help="also write the result here")
     args = p.parse_args(argv)
+    prepare_output_folder(args.json)
 
     cfg = TINY if args.tiny else ONE_B
     if args.remat:

@@ -131,3 +131,16 @@ def test_impossible_counts_are_usage_errors(module, argv, capsys):
     with pytest.raises(SystemExit) as exit_info:
         importlib.import_module(f"recipes.{module}").main(argv)
     assert exit_info.value.code == 2 and "must be at least 1, got 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("module", ["bench", "bench_gpu"])
+def test_the_json_folder_is_made_up_front_or_fails_before_any_timing(module, tmp_path):
+    import importlib
+
+    from recipes.bench import prepare_output_folder
+
+    prepare_output_folder(str(tmp_path / "runs" / "bench.json"))  # a fresh clone has no runs/ yet
+    assert (tmp_path / "runs").is_dir()
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(SystemExit, match="cannot create the folder .*; choose another path"):
+        importlib.import_module(f"recipes.{module}").main(["--json", str(tmp_path / "a-file" / "out.json")])
