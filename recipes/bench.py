@@ -290,7 +290,10 @@ def parse_variant(cfg: ModelConfig, spec: str) -> ModelConfig:
         if key not in fields:
             raise SystemExit(f"error: --variants: {key!r} is not a model setting; choose from {', '.join(fields)}")
         kind = type(getattr(cfg, key))
-        changes[key] = value.lower() in ("1", "true") if kind is bool else kind(value)
+        try:
+            changes[key] = value.lower() in ("1", "true") if kind is bool else kind(value)
+        except ValueError:
+            raise SystemExit(f"error: --variants: {key}={value!r} must be of type {kind.__name__}, e.g. {key}={getattr(cfg, key)}") from None
     return dataclasses.replace(cfg, **changes)
 
 

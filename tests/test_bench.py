@@ -144,3 +144,12 @@ def test_the_json_folder_is_made_up_front_or_fails_before_any_timing(module, tmp
     (tmp_path / "a-file").write_text("")
     with pytest.raises(SystemExit, match="cannot create the folder .*; choose another path"):
         importlib.import_module(f"recipes.{module}").main(["--json", str(tmp_path / "a-file" / "out.json")])
+
+
+def test_a_variant_value_of_the_wrong_type_is_a_one_line_error():
+    from recipes.bench import SHAPES, parse_variant
+
+    cfg = SHAPES["issue"][0]
+    assert parse_variant(cfg, "attention_block=64,remat=layer").attention_block == 64
+    with pytest.raises(SystemExit, match=r"attention_block='abc' must be of type int, e.g. attention_block=128"):
+        parse_variant(cfg, "attention_block=abc")
