@@ -171,7 +171,8 @@ def peak_runner(with_torch: bool, n: int = 1024, calls: int = 3) -> dict:
 
     def one():
         for name, fn in runs.items():
-            rates[name].append(2 * n**3 / min(median_time(fn, 1) for _ in range(calls)))
+            best_s = min(median_time(fn, 1) for _ in range(calls))  # each median_time(fn, 1) is one timed call
+            rates[name].append(2 * n**3 / best_s)
 
     return {"step": one, "rates": rates}
 

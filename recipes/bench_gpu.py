@@ -22,7 +22,7 @@ import jax
 from lib.config import ModelConfig
 from lib.metrics import flops_per_token, lookup_peak_flops, measure_matmul_peak
 from lib.model import Llama, count_params
-from recipes.bench import bench_jax, prepare_output_folder, count_at_least
+from recipes.bench import bench_jax, count_at_least, prepare_output_folder
 
 # logits_chunk / attention_block: 512 positions per LM-head chunk ([8, 512, 32000] fp32 logits = 0.5 GB) and
 # 4 causal query blocks over 2048 positions (the CPU default of 128 would make 16 small ones).
