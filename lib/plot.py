@@ -3,7 +3,8 @@
 Train loss is a solid line, validation loss dashed with dots (and dotted per
 source for a mixture). Steps the guard skipped are red crosses along the
 bottom of each panel; rollbacks are vertical dashed lines. Several runs are
-overlaid in different colours. Uses matplotlib's object API with the Agg
+overlaid in different colours, with a fourth panel showing each one's loss minus
+the first run's, step by step. Uses matplotlib's object API with the Agg
 canvas, so it never needs a display and never changes a global backend.
 """
 
@@ -65,6 +66,32 @@ def _series(ax, curves: RunCurves, rows: list[dict], key: str, axis: str, **styl
         ax.plot(*zip(*pts), **style)
 
 
+def _paired(base_rows: list[dict], other_rows: list[dict], key: str) -> list[tuple[int, float, float]]:
+    """(step, base value, other value) for every step both runs logged a finite `key` at."""
+    other = {r["step"]: r[key] for r in other_rows if _finite(r.get(key))}
+    return [(r["step"], r[key], other[r["step"]]) for r in base_rows if _finite(r.get(key)) and r["step"] in other]
+
+
+def loss_gap(base: RunCurves, other: RunCurves) -> dict | None:
+    """How far `other`'s loss curves sit from `base`'s (other - base), over the steps both logged.
+
+    Meant for runs that saw the same batches (same seed and data), differing in one setting such as
+    the compute dtype: then the per-step difference is that setting's effect, not sampling noise."""
+    train = _paired(base.train, other.train, "loss")
+    if not train:
+        return None
+    diffs = [o - b for _, b, o in train]
+    worst = max(range(len(train)), key=lambda i: abs(diffs[i]))
+    gap = {"steps": len(train), "train_mean_abs": sum(map(abs, diffs)) / len(diffs), "train_mean": sum(diffs) / len(diffs),
+           "train_max_abs": abs(diffs[worst]), "train_max_step": train[worst][0],
+           "train_mean_rel": sum(abs(d) / abs(b) for d, (_, b, _) in zip(diffs, train) if b) / len(train)}
+    val = _paired(base.val, other.val, "val_loss")
+    if val:
+        step, b, o = val[-1]
+        gap |= {"val_step": step, "val_base": b, "val_other": o}
+    return gap
+
+
 def plot_runs(run_dirs: list[str | Path], out: str | Path) -> Path:
     """Write the PNG of one or several runs to `out`; returns its path."""
     runs = [RunCurves(Path(d)) for d in run_dirs]
@@ -76,17 +103,38 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path) -> Path:
     return out
 
 
+def _gap_panel(ax, runs: list[RunCurves], colors: list[str], axis: str) -> None:
+    """Each later run's loss minus the first run's, step by step: train thin, validation dashed with dots."""
+    base = runs[0]
+    ax.axhline(0, color=colors[0], lw=1)
+    for run, color in zip(runs[1:], colors[1:]):
+        for rows_key, key, style in (("train", "loss", dict(lw=1, alpha=0.7)), ("val", "val_loss", dict(ls="--", lw=2, marker="o", ms=5))):
+            pairs = _paired(getattr(base, rows_key), getattr(run, rows_key), key)
+            if pairs:
+                steps = [{"step": s} for s, _, _ in pairs]
+                ax.plot(run.x(steps, axis), [o - b for _, b, o in pairs], color=color, label=f"{run.name} {rows_key}", **style)
+    if ax.has_data():
+        ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+
+
 def build_figure(runs: list[RunCurves]):
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(15, 8), layout="constrained")
+    panels = PANELS + (("gap", f"loss - {runs[0].name} loss"),) if len(runs) > 1 else PANELS
+    fig = Figure(figsize=(5 * len(panels), 8), layout="constrained")
     FigureCanvasAgg(fig)
-    axes = fig.subplots(len(AXES), len(PANELS), squeeze=False)
+    axes = fig.subplots(len(AXES), len(panels), squeeze=False)
     colors = [f"C{i % 10}" for i in range(len(runs))]
     for row, (axis, axis_label) in enumerate(AXES):
-        for col, (key, title) in enumerate(PANELS):
+        for col, (key, title) in enumerate(panels):
             ax = axes[row][col]
+            if key == "gap":
+                _gap_panel(ax, runs, colors, axis)
+                ax.set_title(title if row == 0 else f"{title} vs tokens")
+                ax.set_xlabel(axis_label)
+                continue
             for run, color in zip(runs, colors):
                 prefix = f"{run.name} " if len(runs) > 1 else ""
                 _series(ax, run, run.train, key, axis, color=color, lw=1, alpha=0.6 if key == "loss" else 1, label=f"{prefix}train")
