@@ -7,7 +7,9 @@ in a heads-first layout (`split_heads`), so the matmuls batch over leading
 axes, and `causal_attention` splits the queries into blocks: block i reads only
 the keys up to the end of block i, so with 4 blocks it does 10/16 of the work.
 Measured in `docs/performance.md`. The same code runs in bf16 (scores and
-softmax in fp32) and in float64 (gradient checks).
+softmax in fp32) and in float64 (gradient checks). On an NVIDIA GPU,
+`library_attention` hands the work to cuDNN's flash attention instead
+(`model.attention_impl=cudnn`).
 
 Layouts: grouped-query heads-first q [b, kv, g, t, hd] (query head h = kv * g + j
 reads kv head h // g), k and v [b, kv, t, hd]; mask [b, 1, tq, tk] boolean, True
@@ -19,6 +21,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float
+
+from lib.config import ConfigError
 
 
 def split_heads(x: Float[Array, "b t hd_all"], n_kv: int, head_dim: int):
@@ -76,3 +80,17 @@ def dot_attention(
     heads_first = lambda x: split_heads(x.reshape(*x.shape[:2], -1), kv, hd)
     out = _attend(heads_first(q), heads_first(k)[:, :, 0], heads_first(v)[:, :, 0], mask)
     return merge_heads(out).reshape(b, tq, h, hd)
+
+
+def library_attention(
+    q: Float[Array, "b t h hd"], k: Float[Array, "b t kv hd"], v: Float[Array, "b t kv hd"], mask: Bool[Array, "b 1 t t"], impl: str
+) -> Float[Array, "b t h hd"]:
+    """Causal self-attention through `jax.nn.dot_product_attention`: impl "cudnn" is cuDNN's flash
+    attention (an NVIDIA GPU, bf16), "xla" the same call on XLA's reference path (any backend).
+
+    `mask` (causal, documents) is passed as well as `is_causal`: cuDNN then adds it as a bias, which
+    also keeps packed documents apart."""
+    if impl == "cudnn" and jax.default_backend() != "gpu":
+        raise ConfigError(f"model.attention_impl=cudnn needs an NVIDIA GPU, but this run's backend is "
+                          f"{jax.default_backend()}; use model.attention_impl=blocked")
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation=impl)

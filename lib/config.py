@@ -41,6 +41,9 @@ class ModelConfig:
     logits_chunk: int = 64
     # Causal attention runs in query blocks of this many positions, skipping fully masked key blocks (0 = dense).
     attention_block: int = 128
+    # blocked (lib/attention.py, any backend) | cudnn (jax.nn.dot_product_attention's cuDNN flash attention:
+    # NVIDIA GPU, bf16) | xla (the same call on XLA's reference path, any backend).
+    attention_impl: str = "blocked"
     # Blocks per iteration of the layer scan: 1 compiles one block; n_layers unrolls all (faster, slower to
     # compile). Ignored under remat: unrolled, XLA merges the recomputation back into the forward.
     scan_unroll: int = 1
@@ -315,6 +318,10 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"model.compute_dtype={m.compute_dtype!r}: choose float32 or bfloat16")
     if m.attention_block < 0:
         raise ConfigError(f"model.attention_block={m.attention_block} must be >= 0 (0 = dense attention)")
+    if m.attention_impl not in ("blocked", "cudnn", "xla"):
+        raise ConfigError(f"model.attention_impl={m.attention_impl!r}: choose blocked, cudnn (NVIDIA GPU, bf16) or xla")
+    if m.attention_impl == "cudnn" and m.compute_dtype != "bfloat16":
+        raise ConfigError("model.attention_impl=cudnn runs in bf16 only: set model.compute_dtype=bfloat16, or use attention_impl=blocked")
     if m.scan_unroll < 1:
         raise ConfigError(f"model.scan_unroll={m.scan_unroll} must be >= 1 (1 = no unrolling)")
     if m.logits_chunk < 0:

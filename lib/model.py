@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from lib.attention import causal_attention, dot_attention, merge_heads, split_heads
+from lib.attention import causal_attention, dot_attention, library_attention, merge_heads, split_heads
 from lib.config import ModelConfig
 
 # float64 is for gradient checks (lib/gradcheck.py runs the model in double under x64); not a training policy.
@@ -91,6 +91,7 @@ class Attention(eqx.Module):
     n_heads: int = eqx.field(static=True)
     n_kv_heads: int = eqx.field(static=True)
     block: int = eqx.field(static=True)  # causal attention runs in query blocks of this many positions
+    impl: str = eqx.field(static=True)  # blocked (lib/attention.py) or a jax.nn.dot_product_attention implementation
 
     def __init__(self, cfg: ModelConfig, key):
         k1, k2, k3, k4 = jax.random.split(key, 4)
@@ -102,6 +103,7 @@ class Attention(eqx.Module):
         # Scaled like GPT-2's residual projections so the residual stream does not grow with depth.
         self.wo = _normal(k4, (cfg.n_heads * hd, cfg.d_model), std / (2 * cfg.n_layers) ** 0.5)
         self.n_heads, self.n_kv_heads, self.block = cfg.n_heads, cfg.n_kv_heads, cfg.attention_block
+        self.impl = cfg.attention_impl
 
     @property
     def head_dim(self):
@@ -122,6 +124,9 @@ class Attention(eqx.Module):
         return linear(out.reshape(*out.shape[:2], -1), self.wo)
 
     def __call__(self, x, cos, sin, mask):
+        if self.impl != "blocked":
+            out = library_attention(*self.project_qkv(x, cos, sin), mask, self.impl)
+            return linear(out.reshape(*out.shape[:2], -1), self.wo)
         # Heads-first from the start: the transpose after each projection fuses with RoPE, and the
         # attention matmuls batch over leading axes.
         kv, hd = self.n_kv_heads, self.head_dim

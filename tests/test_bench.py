@@ -49,7 +49,24 @@ def test_gpu_mfu_script_runs_its_real_step_on_a_toy_shape(capsys):
 
     result = bench_gpu.main(["--tiny", "--repeats", "2", "--warmup", "1", "--peak-flops", "1e12"])
     assert result["tokens_per_s"] > 0 and 0 < result["mfu"] < 1
-    assert result["remat"] == "selective" and "MFU" in capsys.readouterr().out
+    assert result["remat"] == "selective" and result["attention_impl"] == "blocked"  # cuDNN only on a GPU
+    assert "MFU" in capsys.readouterr().out
+
+
+def test_gpu_script_reports_a_failing_attention_and_still_measures_the_others(capsys):
+    from recipes import bench_gpu
+
+    if jax.default_backend() == "gpu":
+        pytest.skip("cuDNN attention would run here")
+    argv = ["--tiny", "--repeats", "1", "--warmup", "0", "--peak-flops", "1e12"]
+    result = bench_gpu.main([*argv, "--attention", "cudnn,xla"])
+    failed, measured = result["runs"]
+    assert "needs an NVIDIA GPU" in failed["error"] and measured["attention_impl"] == "xla" == result["attention_impl"]
+    assert "attention=cudnn    failed: ConfigError: model.attention_impl=cudnn needs an NVIDIA GPU" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="no attention implementation could be measured"):
+        bench_gpu.main([*argv, "--attention", "cudnn"])
+    with pytest.raises(SystemExit, match="give a comma-separated list of blocked, cudnn, xla"):
+        bench_gpu.main([*argv, "--attention", "flash"])
 
 
 def test_compiled_memory_table_reports_remat_savings():

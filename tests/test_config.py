@@ -20,6 +20,8 @@ def test_experiment_composes_and_overrides_apply():
         ("data.seq_len=1", "data.seq_len=1 is too short"),
         ("trainer.batch_size=6", "not divisible by optim.accum_steps=4"),
         ("model.n_kv_heads=3", "n_kv_heads"),
+        ("model.attention_impl=flash", "model.attention_impl='flash': choose blocked, cudnn"),
+        ("model.attention_impl=cudnn", "runs in bf16 only: set model.compute_dtype=bfloat16"),
     ],
 )
 def test_bad_config_is_one_clear_line(override, message):
