@@ -35,6 +35,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from tqdm import tqdm
 
 from lib.config import DataConfig, ModelConfig, OptimConfig
 from lib.host_memory import keep_freed_memory
@@ -87,18 +88,25 @@ def median_time(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def race(steps: dict[str, Callable[[], None]], warmup: int, repeats: int) -> dict[str, float]:
+def race(steps: dict[str, Callable[[], None]], warmup: int, repeats: int, label: str | None = None) -> dict[str, float]:
     """Median seconds per call of each step, the steps taking turns (a, b, c, a, b, c, ...) so that a
-    machine that speeds up or slows down during the run (turbo, neighbours on a VM) shifts all of them alike."""
+    machine that speeds up or slows down during the run (turbo, neighbours on a VM) shifts all of them alike.
+
+    With a `label`, a progress bar on stderr counts the turns (ETA) and shows each step's median so far."""
+    bar = tqdm(total=warmup + repeats, desc=label, unit="turn", leave=False, disable=label is None, file=sys.stderr)
     for fn in steps.values():
         for _ in range(warmup):
             fn()
+    bar.update(warmup)
     times: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(repeats):
         for name, fn in steps.items():
             t0 = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t0)
+        bar.set_postfix_str(", ".join(f"{name} {statistics.median(t) * 1e3:.0f} ms" for name, t in times.items()))
+        bar.update(1)
+    bar.close()
     return {name: statistics.median(t) for name, t in times.items()}
 
 
@@ -302,7 +310,7 @@ def bench_variants(name: str, specs: list[str], warmup: int, repeats: int) -> di
     """The real JAX step of one shape under several model settings, raced in turns: what a change buys."""
     cfg, seq_len, batch = SHAPES[name]
     runners = {spec or "(as is)": jax_runner(parse_variant(cfg, spec), seq_len, batch) for spec in specs}
-    medians = race({spec: r["step"] for spec, r in runners.items()}, warmup, repeats)
+    medians = race({spec: r["step"] for spec, r in runners.items()}, warmup, repeats, label=name)
     base = next(iter(medians.values()))
     for spec, step_s in medians.items():
         print(f"{name:<11} {spec:<40} {step_s * 1e3:8.1f} ms {batch * seq_len / step_s:9.0f} tokens/s {base / step_s:6.2f}x")
@@ -337,6 +345,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(header + "\n" + "-" * len(header))
     for name in args.shapes:
         cfg, seq_len, batch = SHAPES[name]
+        print(f"{name}: compiling the steps, then {args.warmup} warm-up and {args.repeats} timed turns ...", file=sys.stderr)
         runs = {"jax": jax_runner(cfg, seq_len, batch)}
         if not args.no_torch:
             runs["torch eager"] = torch_runner(cfg, seq_len, batch, compile=False)
@@ -345,7 +354,7 @@ def main(argv: list[str] | None = None) -> dict:
         floor = matmul_runner(cfg, seq_len, batch)
         peak_run = peak_runner(with_torch=not args.no_torch)
         medians = race({**{impl: r.pop("step") for impl, r in runs.items()}, "(matmuls)": floor.pop("step"),
-                        "(peak)": peak_run["step"]}, args.warmup, args.repeats)
+                        "(peak)": peak_run["step"]}, args.warmup, args.repeats, label=name)
         floor["floor_s"] = medians.pop("(matmuls)")
         medians.pop("(peak)")
         peaks = raced_peak(peak_run["rates"], args.warmup)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 
 import equinox as eqx
 import jax
@@ -85,6 +86,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     runs = []
     for impl in impls:
+        print(f"  attention={impl}: compiling, {args.warmup} warm-up and {args.repeats} timed steps ...", file=sys.stderr)
         try:  # one implementation failing (cuDNN missing, out of memory) must not cost the others' figures
             run = measure(dataclasses.replace(cfg, attention_impl=impl), seq_len, batch, args.warmup, args.repeats, peak)
         except Exception as exc:  # noqa: BLE001 - reported, then the next implementation runs

@@ -89,6 +89,17 @@ def test_race_takes_turns_and_reports_each_median():
     assert set(medians) == {"a", "b"} and all(m >= 0 for m in medians.values())
 
 
+def test_race_shows_its_turns_and_running_medians_on_stderr(capsys):
+    import re
+    import time
+
+    from recipes.bench import race
+
+    race({"a": lambda: time.sleep(0.06), "b": lambda: time.sleep(0.06)}, warmup=1, repeats=3, label="issue")
+    out, err = capsys.readouterr()
+    assert out == "" and "issue" in err and "3/4" in err and re.search(r"a 6\d ms, b 6\d ms", err)
+
+
 def test_checkpoint_stall_is_measured_like_the_training_loop():
     from recipes.bench import bench_checkpoint_stall
 
