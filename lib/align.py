@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lib.align_faults import Fault
-from lib.config import Config, ConfigError
+from lib.config import ARCHITECTURE, Config, ConfigError
 from lib.model import Llama
 from lib.optim import lr_schedule, make_optimizer
 from lib.placement import make_placement
@@ -228,7 +228,7 @@ def build_setup(name: str, cfg: Config, model: Llama, fault: Fault = Fault("")) 
 
 def same_weights(model: Llama, cfg: Config) -> Llama:
     """`model`'s arrays under `cfg.model`'s static choices (remat, compute dtype): identical weights."""
-    from lib.weights import ARCHITECTURE, with_execution_config
+    from lib.weights import with_execution_config
 
     diff = [k for k in ARCHITECTURE if getattr(cfg.model, k) != getattr(model.cfg, k)]
     if diff:

@@ -23,6 +23,8 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
+from lib.config import ARCHITECTURE
+
 ITEMS = ("state", "data", "meta")
 
 
@@ -127,8 +129,9 @@ def read_meta(manager: ocp.CheckpointManager, step: int) -> dict:
 
 
 def check_model_matches(meta: dict, model_cfg: dict, where: str) -> None:
+    """Refuse a checkpoint of another architecture; execution choices (remat, dtype, chunking, attention) may change."""
     saved = meta.get("model", {})
-    diff = {k: (saved.get(k), v) for k, v in model_cfg.items() if k in saved and saved[k] != v and k not in ("remat", "compute_dtype")}
+    diff = {k: (saved[k], model_cfg[k]) for k in ARCHITECTURE if k in saved and k in model_cfg and saved[k] != model_cfg[k]}
     if diff:
         desc = ", ".join(f"{k}: checkpoint {a} vs config {b}" for k, (a, b) in diff.items())
         raise CheckpointError(f"checkpoint {where} belongs to a different model shape ({desc}); use a new run_dir or matching model.* settings")

@@ -50,6 +50,11 @@ class ModelConfig:
     init_std: float = 0.02
 
 
+# The ModelConfig fields that fix the weights' shapes and meaning. The others (remat, compute dtype, attention
+# and head chunking, scan unrolling, init) are execution choices: a checkpoint resumes under any of them.
+ARCHITECTURE = ("d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "vocab_size", "rope_theta", "norm_eps", "tie_embeddings")
+
+
 @dataclass
 class SourceConfig:
     """One data source of a mixture."""

@@ -33,7 +33,7 @@ import ml_dtypes
 import numpy as np
 
 from lib.checkpoint import CheckpointError
-from lib.config import ModelConfig
+from lib.config import ARCHITECTURE, ModelConfig
 from lib.corpus import EOS_ID, PAD_ID
 from lib.model import Llama
 
@@ -251,7 +251,6 @@ def save_llama(
 
     if dtype not in SAVE_DTYPES:
         raise ValueError(f"dtype={dtype!r}: choose one of {sorted(SAVE_DTYPES)}")
-    from lib.weights import ARCHITECTURE
 
     if any(getattr(model.cfg, k) != getattr(cfg, k) for k in ARCHITECTURE):
         raise ValueError("save_llama: cfg does not describe this model; pass the model's own config (model.cfg)")

@@ -23,10 +23,9 @@ import jax
 
 from lib import checkpoint as ckpt
 from lib.checkpoint import CheckpointError
-from lib.config import Config, ModelConfig, from_dict
+from lib.config import ARCHITECTURE, Config, ModelConfig, from_dict
 from lib.model import Llama
 
-ARCHITECTURE = ("d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "vocab_size", "rope_theta", "norm_eps", "tie_embeddings")
 WEIGHTS_FORMAT = "jaxpretrain-weights-v1"
 
 

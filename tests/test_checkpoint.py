@@ -66,6 +66,16 @@ def test_different_model_shape_is_refused_without_touching_files(tmp_path):
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
 
 
+def test_execution_choices_may_differ_from_the_checkpoint(tmp_path):
+    manager = ckpt.open_manager(tmp_path, keep_last=2)
+    saved = dict(MODEL_META, remat="none", logits_chunk=64, attention_block=128, attention_impl="blocked", scan_unroll=1)
+    ckpt.save(manager, 1, make_state(), {}, {"model": saved})
+    manager.wait_until_finished()
+    changed = dict(saved, remat="layer", logits_chunk=0, attention_block=16, attention_impl="cudnn", scan_unroll=2, compute_dtype="bfloat16")
+    restored, _, _ = ckpt.restore(manager, 1, make_state(1), changed)
+    assert jax.tree.all(jax.tree.map(lambda a, b: bool((a == b).all()), restored, make_state()))
+
+
 def test_damaged_checkpoint_is_a_clear_error(tmp_path):
     manager = ckpt.open_manager(tmp_path, keep_last=2)
     ckpt.save(manager, 1, make_state(), {}, {"model": MODEL_META})

@@ -5,6 +5,7 @@ import shutil
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from lib.config import load_config
@@ -58,6 +59,19 @@ def test_resume_after_losing_the_last_checkpoint_is_bitwise_exact(finished_run, 
     shutil.rmtree(copy / "checkpoints" / "10")  # as if killed between step 5 and 10
     pretrain.train(load_config(smoke_overrides(copy)))
     assert losses(copy) == losses(run_dir)  # steps 6..10 recomputed bit for bit, each logged once
+
+
+def test_resume_may_change_execution_choices_but_not_the_architecture(finished_run, tmp_path):
+    """A run started on one machine resumes on another with its own remat, chunking and attention."""
+    run_dir, _ = finished_run
+    copy = tmp_path / "copy"
+    shutil.copytree(run_dir, copy)
+    shutil.rmtree(copy / "checkpoints" / "10")
+    pretrain.train(load_config(smoke_overrides(copy, "model.attention_block=4", "model.logits_chunk=0", "model.remat=layer",
+                                               "model.attention_impl=xla", "model.scan_unroll=2")))
+    resumed, original = losses(copy), losses(run_dir)
+    assert resumed.keys() == original.keys()
+    np.testing.assert_allclose([resumed[k] for k in sorted(resumed)], [original[k] for k in sorted(original)], rtol=1e-5)
 
 
 def test_train_step_compiles_once(monkeypatch, tmp_path):
