@@ -161,6 +161,10 @@ class TrainerConfig:
     # Peak FLOP/s for MFU on hardware not in the table (CPU): 0 = measure a matmul.
     peak_flops: float = 0.0
     progress: bool = True
+    # Trace steps profile_start+1 .. profile_start+profile_steps with jax.profiler into run_dir/profile (0 = off;
+    # start after warm-up: the first step compiles). lib/profiling.py says how to view it.
+    profile_start: int = 0
+    profile_steps: int = 3
     # Start from these weights (HF folder, imported weights folder or run_dir) instead of a random init;
     # the source decides the model architecture. Ignored once run_dir has its own checkpoint.
     init_from: str = ""
@@ -338,6 +342,9 @@ def validate(cfg: Config) -> None:
             f"trainer.batch_size={t.batch_size} is not divisible by optim.accum_steps={o.accum_steps}; "
             "make the batch a multiple of the accumulation steps"
         )
+    if t.profile_start < 0 or t.profile_steps < 1:
+        raise ConfigError(f"trainer.profile_start={t.profile_start}, trainer.profile_steps={t.profile_steps}: "
+                          "need profile_start >= 0 (0 = no profile) and profile_steps >= 1")
     if cfg.logger.wandb not in ("offline", "online", "disabled"):
         raise ConfigError(f"logger.wandb={cfg.logger.wandb!r}: choose offline, online or disabled")
     g = cfg.guard

@@ -34,6 +34,7 @@ from lib.mixture import MixtureCounter
 from lib.model import Llama, count_params
 from lib.optim import lr_schedule, make_optimizer
 from lib.placement import make_placement
+from lib.profiling import StepProfiler
 from lib.repro import write_bundle
 from lib.train_state import init_train_state, make_eval_step, make_train_step
 from lib.weights import adopt_init_architecture, load_model
@@ -164,6 +165,7 @@ def train(cfg: Config) -> dict:
         meta = {"step": step, "model": to_dict(cfg)["model"], "config": to_dict(cfg), "good": guard.good, "guard": guard.checkpoint_meta()}
         ckpt.save(manager, step, state, data_iter.get_state(), meta)
 
+    profiler = StepProfiler(run_dir, cfg.trainer.profile_start, cfg.trainer.profile_steps, jax.process_index())
     bar = tqdm(total=cfg.trainer.steps, initial=start, unit="step", disable=not (is_main and cfg.trainer.progress), dynamic_ncols=True)
     last = {}
     t_prev = time.perf_counter()
@@ -172,8 +174,11 @@ def train(cfg: Config) -> dict:
         step += 1  # `step` counts batches from 1 (a rollback sets it back)
         batch = guard.faults.corrupt_batch(next(data_iter))
         mix.add(batch["source"])
-        state, metrics = train_step(state, device_batch(batch, placement.train_batch))
-        metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}  # one transfer; waits for the step: honest step time
+        with profiler.step(step):
+            state, metrics = train_step(state, device_batch(batch, placement.train_batch))
+            metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}  # one transfer; waits for the step: honest step time
+        if (trace := profiler.after(step)) and is_main:
+            bar.write(f"profile of steps {profiler.first}-{step}: {trace} (open it at https://ui.perfetto.dev)", file=sys.stderr)
         if guard.faults.poison_due(step, guard.monitor.rollbacks):
             state = guard.faults.poison(state, step)
         now = time.perf_counter()
@@ -216,6 +221,7 @@ def train(cfg: Config) -> dict:
             save(step)
         t_prev = time.perf_counter()  # eval and checkpoint time is not step time
     bar.close()
+    profiler.close()  # the run ended inside the window
     manager.wait_until_finished()
     manager.close()
     writer.close()

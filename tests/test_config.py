@@ -20,6 +20,7 @@ def test_experiment_composes_and_overrides_apply():
         ("data.seq_len=1", "data.seq_len=1 is too short"),
         ("trainer.batch_size=6", "not divisible by optim.accum_steps=4"),
         ("model.n_kv_heads=3", "n_kv_heads"),
+        ("trainer.profile_steps=0", "need profile_start >= 0 .0 = no profile. and profile_steps >= 1"),
         ("model.attention_impl=flash", "model.attention_impl='flash': choose blocked, cudnn"),
         ("model.attention_impl=cudnn", "runs in bf16 only: set model.compute_dtype=bfloat16"),
     ],

@@ -74,6 +74,13 @@ def test_resume_may_change_execution_choices_but_not_the_architecture(finished_r
     np.testing.assert_allclose([resumed[k] for k in sorted(resumed)], [original[k] for k in sorted(original)], rtol=1e-5)
 
 
+def test_profile_window_is_traced_and_named(tmp_path, capsys):
+    run_dir = tmp_path / "r"
+    pretrain.train(load_config(smoke_overrides(run_dir, "trainer.steps=4", "trainer.profile_start=2", "trainer.profile_steps=1")))
+    traces = list((run_dir / "profile" / "process-0").rglob("perfetto_trace.json.gz"))
+    assert len(traces) == 1 and f"profile of steps 3-3: {traces[0]}" in capsys.readouterr().err
+
+
 def test_train_step_compiles_once(monkeypatch, tmp_path):
     steps = []
     real = pretrain.make_train_step
