@@ -43,12 +43,14 @@ class ModelConfig:
     attention_block: int = 128
     # blocked (lib/attention.py, any backend) | cudnn (jax.nn.dot_product_attention's cuDNN flash attention:
     # NVIDIA GPU, bf16) | xla (the same call on XLA's reference path, any backend).
-    attention_impl: str = "blocked"
+    attention_impl: str = "blocked"  # one of ATTENTION_IMPLS
     # Blocks per iteration of the layer scan: 1 compiles one block; n_layers unrolls all (faster, slower to
     # compile). Ignored under remat: unrolled, XLA merges the recomputation back into the forward.
     scan_unroll: int = 1
     init_std: float = 0.02
 
+
+ATTENTION_IMPLS = ("blocked", "cudnn", "xla")
 
 # The ModelConfig fields that fix the weights' shapes and meaning. The others (remat, compute dtype, attention
 # and head chunking, scan unrolling, init) are execution choices: a checkpoint resumes under any of them.
@@ -327,7 +329,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"model.compute_dtype={m.compute_dtype!r}: choose float32 or bfloat16")
     if m.attention_block < 0:
         raise ConfigError(f"model.attention_block={m.attention_block} must be >= 0 (0 = dense attention)")
-    if m.attention_impl not in ("blocked", "cudnn", "xla"):
+    if m.attention_impl not in ATTENTION_IMPLS:
         raise ConfigError(f"model.attention_impl={m.attention_impl!r}: choose blocked, cudnn (NVIDIA GPU, bf16) or xla")
     if m.attention_impl == "cudnn" and m.compute_dtype != "bfloat16":
         raise ConfigError("model.attention_impl=cudnn runs in bf16 only: set model.compute_dtype=bfloat16, or use attention_impl=blocked")

@@ -43,7 +43,7 @@ class RunCurves:
 
     def __init__(self, run_dir: Path):
         rows = read_rows(run_dir)
-        self.name = run_dir.name
+        self.path, self.name = run_dir, run_dir.name
         self.train = last_per_step(rows, "loss")
         per_update = next((r["tokens_per_update"] for r in rows if "tokens_per_update" in r), 0)
         self._tokens = {r["step"]: r.get("tokens", r["step"] * per_update) for r in self.train}
@@ -94,9 +94,13 @@ def loss_gap(base: RunCurves, other: RunCurves) -> dict | None:
 
 def plot_runs(run_dirs: list[str | Path], out: str | Path) -> Path:
     """Write the PNG of one or several runs to `out`; returns its path."""
-    runs = [RunCurves(Path(d)) for d in run_dirs]
+    return plot_curves([RunCurves(Path(d)) for d in run_dirs], out)
+
+
+def plot_curves(runs: list[RunCurves], out: str | Path) -> Path:
+    """`plot_runs` for curves already read."""
     if not any(r.train for r in runs):
-        raise ConfigError(f"no training steps logged yet in {', '.join(map(str, run_dirs))}; plot after the first steps")
+        raise ConfigError(f"no training steps logged yet in {', '.join(str(r.path) for r in runs)}; plot after the first steps")
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     build_figure(runs).savefig(out, dpi=100)
@@ -113,9 +117,27 @@ def _gap_panel(ax, runs: list[RunCurves], colors: list[str], axis: str) -> None:
             if pairs:
                 steps = [{"step": s} for s, _, _ in pairs]
                 ax.plot(run.x(steps, axis), [o - b for _, b, o in pairs], color=color, label=f"{run.name} {rows_key}", **style)
-    if ax.has_data():
-        ax.legend(fontsize=7)
-    ax.grid(alpha=0.3)
+
+
+def _runs_panel(ax, runs: list[RunCurves], colors: list[str], key: str, axis: str) -> None:
+    """One logged quantity of every run; the loss panel adds validation, and every panel the guard's events."""
+    for run, color in zip(runs, colors):
+        prefix = f"{run.name} " if len(runs) > 1 else ""
+        _series(ax, run, run.train, key, axis, color=color, lw=1, alpha=0.6 if key == "loss" else 1, label=f"{prefix}train")
+        if key == "loss":
+            _series(ax, run, run.val, "val_loss", axis, color=color, ls="--", lw=2, marker="o", ms=5, zorder=3, label=f"{prefix}val")
+            for i, (source, rows) in enumerate(run.val_sources.items()):
+                _series(ax, run, rows, f"val_loss/{source}", axis, color=color, ls=":", marker="s^vD"[i % 4], ms=3,
+                        label=f"{prefix}val {source}")
+        if run.skipped:  # along the bottom: a skipped step's loss may be inf or nan
+            ax.plot(run.x(run.skipped, axis), [0.02] * len(run.skipped), "x", color="red", ms=6,
+                    transform=ax.get_xaxis_transform(), label="skipped step" if key == "loss" else None)
+        for j, rb in enumerate(run.rollbacks):
+            ax.axvline(run.x([rb], axis)[0], color=color, ls="-.", lw=1,
+                       label="rollback" if key == "loss" and j == 0 else None)
+    low, high = ax.dataLim.intervaly
+    if key == "grad_norm" and ax.has_data() and low > 0 and high / low > 20:  # spikes would flatten the rest
+        ax.set_yscale("log")
 
 
 def build_figure(runs: list[RunCurves]):
@@ -132,30 +154,12 @@ def build_figure(runs: list[RunCurves]):
             ax = axes[row][col]
             if key == "gap":
                 _gap_panel(ax, runs, colors, axis)
-                ax.set_title(title if row == 0 else f"{title} vs tokens")
-                ax.set_xlabel(axis_label)
-                continue
-            for run, color in zip(runs, colors):
-                prefix = f"{run.name} " if len(runs) > 1 else ""
-                _series(ax, run, run.train, key, axis, color=color, lw=1, alpha=0.6 if key == "loss" else 1, label=f"{prefix}train")
-                if key == "loss":
-                    _series(ax, run, run.val, "val_loss", axis, color=color, ls="--", lw=2, marker="o", ms=5, zorder=3, label=f"{prefix}val")
-                    for i, (source, rows) in enumerate(run.val_sources.items()):
-                        _series(ax, run, rows, f"val_loss/{source}", axis, color=color, ls=":", marker="s^vD"[i % 4], ms=3,
-                                label=f"{prefix}val {source}")
-                if run.skipped:  # along the bottom: a skipped step's loss may be inf or nan
-                    ax.plot(run.x(run.skipped, axis), [0.02] * len(run.skipped), "x", color="red", ms=6,
-                            transform=ax.get_xaxis_transform(), label="skipped step" if key == "loss" else None)
-                for j, rb in enumerate(run.rollbacks):
-                    ax.axvline(run.x([rb], axis)[0], color=color, ls="-.", lw=1,
-                               label="rollback" if key == "loss" and j == 0 else None)
-            low, high = ax.dataLim.intervaly
-            if key == "grad_norm" and ax.has_data() and low > 0 and high / low > 20:  # spikes would flatten the rest
-                ax.set_yscale("log")
+            else:
+                _runs_panel(ax, runs, colors, key, axis)
             ax.set_title(title if row == 0 else f"{title} vs tokens")
             ax.set_xlabel(axis_label)
             ax.grid(alpha=0.3)
-            if key == "loss" and ax.has_data():
+            if key in ("loss", "gap") and ax.has_data():
                 ax.legend(fontsize=7)
     fig.suptitle(", ".join(r.name for r in runs))
     return fig

@@ -23,7 +23,7 @@ import sys
 import equinox as eqx
 import jax
 
-from lib.config import ModelConfig
+from lib.config import ATTENTION_IMPLS, ModelConfig
 from lib.metrics import flops_per_token, lookup_peak_flops, measure_matmul_peak
 from lib.model import Llama, count_params
 from recipes.bench import bench_jax, count_at_least, prepare_output_folder
@@ -41,9 +41,8 @@ def attention_impls(spec: str | None) -> list[str]:
     if spec is None:  # on a GPU, cuDNN's flash attention first, then the portable blocked attention
         return ["cudnn", "blocked"] if jax.default_backend() == "gpu" else ["blocked"]
     impls = [s for s in spec.split(",") if s]
-    bad = [s for s in impls if s not in ("blocked", "cudnn", "xla")]
-    if bad or not impls:
-        raise SystemExit(f"error: --attention {spec!r}: give a comma-separated list of blocked, cudnn, xla")
+    if not impls or not set(impls) <= set(ATTENTION_IMPLS):
+        raise SystemExit(f"error: --attention {spec!r}: give a comma-separated list of {', '.join(ATTENTION_IMPLS)}")
     return impls
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from lib.config import ConfigError
 from lib.errors import run_cli
-from lib.plot import RunCurves, loss_gap, plot_runs
+from lib.plot import RunCurves, loss_gap, plot_curves
 
 
 def parse(argv: list[str]) -> tuple[list[str], str]:
@@ -53,9 +53,10 @@ def print_loss_gaps(runs: list[RunCurves]) -> None:
 def main(argv: list[str] | None = None) -> int:
     def body():
         run_dirs, out = parse(sys.argv[1:] if argv is None else argv)
-        print(f"wrote {plot_runs(run_dirs, out)}")
-        if len(run_dirs) > 1:
-            print_loss_gaps([RunCurves(Path(d)) for d in run_dirs])
+        runs = [RunCurves(Path(d)) for d in run_dirs]
+        print(f"wrote {plot_curves(runs, out)}")
+        if len(runs) > 1:
+            print_loss_gaps(runs)
 
     return run_cli(body)
 
